@@ -1,0 +1,399 @@
+// Split-K GQA decode attention over an INT8 KV cache, on the tensor cores.
+//
+// Grid (kv head, split, batch). One CTA owns a KV head and its whole query-head group, so every
+// K/V byte is read from memory once and used by all GROUP heads. Each warp streams 16-token
+// tiles of its split and keeps its own online softmax; the CTA merges its warps, and the splits
+// of one (batch, kv head) are merged either by the last CTA to finish (a device counter) or by
+// decode_combine.
+//
+// Per 16-token tile a warp issues two m16n8k16 mmas per 16 dims for S = Q K^T (rows = heads,
+// padded to 16) and one per 8 dims for O += P V. No shared memory and no transposes are needed:
+//  * S is invariant to a common permutation of the head dimension, so each lane reads 16
+//    contiguous bytes of a K row and Q is loaded into the A fragments with the same permutation:
+//    chunk j, lane quad c, element e  <->  dim 64*(j/4) + 16*c + 4*(j%4) + e.
+//  * The S accumulator fragment is already the A fragment of P for the PV mma (FlashAttention-2).
+//  * For PV the k dimension is tokens: lane (g, c) loads tokens 2c, 2c+1, 2c+8, 2c+9 of the tile
+//    at bytes [VB*g, VB*g + VB) (VB = D/8), so one warp load covers four whole 128-byte rows.
+//    Byte j of word q becomes column g of n-block 4q+j: output dim VB*col + 4q + j.
+#include "decode_params.cuh"
+
+namespace llfd {
+
+constexpr float kLn2 = 0.6931471805599453f;
+#define kNegInf (__int_as_float(0xff800000))
+
+template <int HEAD_DIM>
+struct Geometry {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64/128/256");
+  static constexpr int kKVectors = HEAD_DIM / 64;  // 16-byte K vectors per lane per token
+  static constexpr int kChunks = HEAD_DIM / 16;    // k-steps of S = Q K^T
+  static constexpr int kVBytes = HEAD_DIM / 8;     // V bytes per lane per token
+  static constexpr int kVWords = kVBytes / 4;
+  static constexpr int kVBlocks = HEAD_DIM / 8;    // n-blocks of O += P V
+};
+
+// One warp's loads for a 16-token tile, issued one tile ahead of the math.
+template <int HEAD_DIM, int SCALE_MODE>
+struct Tile {
+  using G = Geometry<HEAD_DIM>;
+  uint32_t k[2][G::kChunks];   // tokens g and 8+g
+  uint32_t v[4][G::kVWords];   // tokens 2c, 2c+1, 2c+8, 2c+9
+  float k_scale[4], v_scale[4];  // per-token mode: the same four tokens as v
+};
+
+template <typename ScaleT>
+__device__ __forceinline__ float load_scale(const void* base, int64_t index) {
+  if constexpr (sizeof(ScaleT) == 2)
+    return half_to_float(__ldg(static_cast<const uint16_t*>(base) + index));
+  else
+    return __ldg(static_cast<const float*>(base) + index);
+}
+
+template <int HEAD_DIM, int SCALE_MODE, typename ScaleT>
+__device__ __forceinline__ void load_tile(Tile<HEAD_DIM, SCALE_MODE>& tile, const int8_t* k_base,
+                                          const int8_t* v_base, const void* ks_base,
+                                          const void* vs_base, int64_t token_stride, int t0,
+                                          int end, int g, int c) {
+  using G = Geometry<HEAD_DIM>;
+  const int last = end - 1;  // out-of-range tokens re-read the last valid row; they are masked
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = min(t0 + 8 * half + g, last);
+#pragma unroll
+    for (int u = 0; u < G::kKVectors; ++u)
+      load_stream<16>(&tile.k[half][4 * u], k_base + t * token_stride + 64 * u + 16 * c);
+  }
+#pragma unroll
+  for (int slot = 0; slot < 4; ++slot) {
+    const int t = min(t0 + 2 * c + (slot & 1) + 8 * (slot >> 1), last);
+    load_stream<G::kVBytes>(tile.v[slot], v_base + t * token_stride + G::kVBytes * g);
+    if constexpr (SCALE_MODE == kScalePerToken) {
+      tile.k_scale[slot] = load_scale<ScaleT>(ks_base, t);
+      tile.v_scale[slot] = load_scale<ScaleT>(vs_base, t);
+    }
+  }
+}
+
+// Query rows g and g+8 of the group as fp16 A fragments, in the permuted dim order above.
+// bf16 queries are rescaled per row by a power of two into fp16 range (exact); row_scale undoes it.
+template <int HEAD_DIM, int GROUP, typename QT>
+__device__ __forceinline__ void load_query(uint32_t (&qa)[Geometry<HEAD_DIM>::kChunks][4],
+                                           float (&row_scale)[2], const uint16_t* q_group,
+                                           int64_t q_head_stride, int g, int c) {
+  using G = Geometry<HEAD_DIM>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    const bool valid = row < GROUP;
+    uint32_t words[G::kKVectors][8];
+#pragma unroll
+    for (int u = 0; u < G::kKVectors; ++u) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) words[u][i] = 0;
+      if (valid) {
+        const uint4* src = reinterpret_cast<const uint4*>(q_group + row * q_head_stride +
+                                                          64 * u + 16 * c);
+        const uint4 lo = __ldg(src), hi = __ldg(src + 1);
+        words[u][0] = lo.x; words[u][1] = lo.y; words[u][2] = lo.z; words[u][3] = lo.w;
+        words[u][4] = hi.x; words[u][5] = hi.y; words[u][6] = hi.z; words[u][7] = hi.w;
+      }
+    }
+    row_scale[r] = 1.f;
+    if constexpr (is_same<QT, bf16>::value) {
+      float absmax = 0.f;
+#pragma unroll
+      for (int u = 0; u < G::kKVectors; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          absmax = fmaxf(absmax, fmaxf(fabsf(bf16_to_float(words[u][i] & 0xffff)),
+                                       fabsf(bf16_to_float(words[u][i] >> 16))));
+      absmax = warp_max_xor(absmax, 2);
+      // Largest power of two with absmax * scale < 2^15: fp16 range, full bf16 precision kept.
+      const int exponent = absmax > 0.f ? ((__float_as_int(absmax) >> 23) & 0xff) - 127 : 0;
+      const float up = exp2f(static_cast<float>(14 - exponent));
+      row_scale[r] = 1.f / up;
+#pragma unroll
+      for (int u = 0; u < G::kKVectors; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          words[u][i] = pack2<f16>(bf16_to_float(words[u][i] & 0xffff) * up,
+                                   bf16_to_float(words[u][i] >> 16) * up);
+    }
+#pragma unroll
+    for (int u = 0; u < G::kKVectors; ++u)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        qa[4 * u + w][r] = words[u][2 * w];          // elements e = 0, 1: k = 2c, 2c+1
+        qa[4 * u + w][2 + r] = words[u][2 * w + 1];  // elements e = 2, 3: k = 2c+8, 2c+9
+      }
+  }
+}
+
+// Merge the splits of one (batch, kv head): partials are normalised per split with base-2 LSE.
+template <int HEAD_DIM, int GROUP, typename QT>
+__device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active) {
+  const int64_t base = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits;
+  const float* lse_in = p.partial_lse + base * GROUP;
+  const float* out_in = p.partial_out + base * GROUP * HEAD_DIM;
+  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
+    const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    float best = kNegInf;
+    for (int s = 0; s < active; ++s) best = fmaxf(best, __ldcg(lse_in + s * GROUP + row));
+    float weight_sum = 0.f, acc = 0.f;
+    for (int s = 0; s < active; ++s) {  // fixed order: bitwise reproducible
+      const float w = fast_exp2(__ldcg(lse_in + s * GROUP + row) - best);
+      weight_sum += w;
+      acc += w * __ldcg(out_in + (static_cast<int64_t>(s) * GROUP + row) * HEAD_DIM + d);
+    }
+    const int head = kvh * GROUP + row;
+    static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + head * p.out_head_stride + d] =
+        from_float<QT>(acc / weight_sum);
+    if (p.lse != nullptr && d == 0)
+      p.lse[b * p.num_kv_heads * GROUP + head] = (best + __log2f(weight_sum)) * kLn2;
+  }
+}
+
+// PREFETCH issues the next tile's loads before the current tile's math (register double
+// buffer); head_dim 256 has no registers for it and relies on other warps to hide latency.
+template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
+          bool PREFETCH>
+__global__ void __launch_bounds__(NUM_WARPS * 32)
+decode_split(const __grid_constant__ DecodeParams p) {
+  using G = Geometry<HEAD_DIM>;
+  static_assert(GROUP >= 1 && GROUP <= 16, "group size 1..16");
+  constexpr bool kTwoRows = GROUP > 8;  // rows g+8 of the m16 tile carry heads
+  extern __shared__ float smem[];       // [NUM_WARPS][GROUP][HEAD_DIM] warp partial outputs
+  __shared__ float warp_max[NUM_WARPS][16], warp_sum[NUM_WARPS][16];
+  __shared__ int is_last;
+
+  const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int len = clamped_length(p, b);
+  int chunk, active;
+  split_range(len, p, chunk, active);
+  const int head0 = kvh * GROUP;
+
+  if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
+    if (split == 0)
+      for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
+        const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
+                                      d] = 0;
+        if (p.lse != nullptr && d == 0) p.lse[b * p.num_kv_heads * GROUP + head0 + row] = kNegInf;
+      }
+    return;
+  }
+  if (split >= active) return;
+  const int start = split * chunk, end = min(len, start + chunk);
+
+  // ---- load: the query group, the scale constants, this split's K/V rows ----
+  // head_dim 256 keeps the Q fragments in shared memory (one 16-byte read per lane and k-step,
+  // conflict-free): in registers they would push the kernel past 255 and into spills.
+  constexpr bool kQueryInShared = HEAD_DIM == 256;
+  __shared__ uint4 query_shared[kQueryInShared ? G::kChunks : 1][32];
+  uint32_t qa[G::kChunks][4];
+  float row_scale[2];
+  load_query<HEAD_DIM, GROUP, QT>(
+      qa, row_scale,
+      static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride + head0 * p.q_head_stride,
+      p.q_head_stride, g, c);
+  if constexpr (kQueryInShared) {
+    if (warp == 0)
+#pragma unroll
+      for (int j = 0; j < G::kChunks; ++j)
+        query_shared[j][lane] = make_uint4(qa[j][0], qa[j][1], qa[j][2], qa[j][3]);
+    __syncthreads();
+  }
+  float k_const = p.score_scale_log2, v_const = 1.f;
+  if constexpr (SCALE_MODE == kScalePerTensor) {
+    k_const *= __ldg(static_cast<const float*>(p.k_scale));
+    v_const = __ldg(static_cast<const float*>(p.v_scale));
+  } else if constexpr (SCALE_MODE == kScalePerHead) {
+    k_const *= __ldg(static_cast<const float*>(p.k_scale) + kvh);
+    v_const = __ldg(static_cast<const float*>(p.v_scale) + kvh);
+  }
+  const float row_const[2] = {k_const * row_scale[0], k_const * row_scale[1]};
+  const int64_t kv_offset = b * p.kv_batch_stride + kvh * p.kv_head_stride;
+  const int8_t* k_base = p.k_cache + kv_offset;
+  const int8_t* v_base = p.v_cache + kv_offset;
+  const int64_t scale_offset = b * p.scale_batch_stride + kvh * p.scale_head_stride;
+  const void* ks_base = static_cast<const ScaleT*>(p.k_scale) + scale_offset;
+  const void* vs_base = static_cast<const ScaleT*>(p.v_scale) + scale_offset;
+
+  float acc[G::kVBlocks][4];
+#pragma unroll
+  for (int i = 0; i < G::kVBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};
+
+  int t0 = start + 16 * warp;
+  if (t0 < end) {
+    Tile<HEAD_DIM, SCALE_MODE> cur, next;
+    load_tile<HEAD_DIM, SCALE_MODE, ScaleT>(cur, k_base, v_base, ks_base, vs_base,
+                                            p.kv_token_stride, t0, end, g, c);
+#pragma unroll 1
+    for (;;) {
+      const int t_next = t0 + 16 * NUM_WARPS;
+      const bool more = t_next < end;
+      if (PREFETCH && more)
+        load_tile<HEAD_DIM, SCALE_MODE, ScaleT>(next, k_base, v_base, ks_base, vs_base,
+                                                p.kv_token_stride, t_next, end, g, c);
+
+      // ---- score: S = Q K^T for tokens t0..t0+7 (s[0]) and t0+8..t0+15 (s[1]) ----
+      float s[2][4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        s[half][0] = s[half][1] = s[half][2] = s[half][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < G::kChunks; ++j) {
+          uint32_t lo, hi;
+          unpack_word(cur.k[half][j] ^ 0x80808080u, lo, hi);
+          if constexpr (kQueryInShared) {
+            const uint4 q4 = query_shared[j][lane];
+            const uint32_t qj[4] = {q4.x, q4.y, q4.z, q4.w};
+            mma_16x8x16(s[half], qj, lo, hi);
+          } else {
+            mma_16x8x16(s[half], qa[j], lo, hi);
+          }
+        }
+      }
+      // ---- softmax: scale, mask, online max/sum in base 2 ----
+      float tile_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = i & 1, r = i >> 1, slot = 2 * half + col;
+          const bool valid = t0 + 8 * half + 2 * c + col < end;
+          float scale = row_const[r];
+          if constexpr (SCALE_MODE == kScalePerToken) scale *= cur.k_scale[slot];
+          s[half][i] = valid ? s[half][i] * scale : kNegInf;
+          tile_max[r] = fmaxf(tile_max[r], s[half][i]);
+        }
+      float correction[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float new_max = fmaxf(row_max[r], warp_max_xor(tile_max[r], 2));
+        correction[r] = fast_exp2(row_max[r] - new_max);  // exp2(-inf) = 0 on the first tile
+        row_max[r] = new_max;
+        row_sum[r] *= correction[r];
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          s[half][i] = fast_exp2(s[half][i] - row_max[i >> 1]);
+          row_sum[i >> 1] += s[half][i];
+        }
+      // ---- accumulate: O = O * correction + P V ----
+      // Rows g+8 are padding unless GROUP > 8: a zero A fragment lets the compiler drop them.
+      const uint32_t pa[4] = {pack2<f16>(s[0][0], s[0][1]),
+                              kTwoRows ? pack2<f16>(s[0][2], s[0][3]) : 0u,
+                              pack2<f16>(s[1][0], s[1][1]),
+                              kTwoRows ? pack2<f16>(s[1][2], s[1][3]) : 0u};
+      uint32_t v_scale01 = 0, v_scale23 = 0;
+      if constexpr (SCALE_MODE == kScalePerToken) {
+        v_scale01 = pack2<f16>(cur.v_scale[0], cur.v_scale[1]);
+        v_scale23 = pack2<f16>(cur.v_scale[2], cur.v_scale[3]);
+      }
+#pragma unroll
+      for (int w = 0; w < G::kVWords; ++w) {
+        const uint32_t a = cur.v[0][w] ^ 0x80808080u, bb = cur.v[1][w] ^ 0x80808080u;
+        const uint32_t cc = cur.v[2][w] ^ 0x80808080u, dd = cur.v[3][w] ^ 0x80808080u;
+        const uint32_t ab_lo = prmt(a, bb, 0x5140u), ab_hi = prmt(a, bb, 0x7362u);
+        const uint32_t cd_lo = prmt(cc, dd, 0x5140u), cd_hi = prmt(cc, dd, 0x7362u);
+#define LLFD_PV_BLOCK(J)                                                       \
+  {                                                                            \
+    uint32_t b0 = pair_from_interleaved<J>(ab_lo, ab_hi);                      \
+    uint32_t b1 = pair_from_interleaved<J>(cd_lo, cd_hi);                      \
+    if constexpr (SCALE_MODE == kScalePerToken) {                              \
+      b0 = hmul2(b0, v_scale01);                                               \
+      b1 = hmul2(b1, v_scale23);                                               \
+    }                                                                          \
+    float* o = acc[4 * w + J];                                                 \
+    o[0] *= correction[0]; o[1] *= correction[0];                              \
+    if (kTwoRows) { o[2] *= correction[1]; o[3] *= correction[1]; }            \
+    mma_16x8x16(acc[4 * w + J], pa, b0, b1);                                   \
+  }
+        LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1) LLFD_PV_BLOCK(2) LLFD_PV_BLOCK(3)
+#undef LLFD_PV_BLOCK
+      }
+      if (!more) break;
+      if (PREFETCH)
+        cur = next;
+      else
+        load_tile<HEAD_DIM, SCALE_MODE, ScaleT>(cur, k_base, v_base, ks_base, vs_base,
+                                                p.kv_token_stride, t_next, end, g, c);
+      t0 = t_next;
+    }
+  }
+
+  // ---- merge the warps of this CTA ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) row_sum[r] = warp_sum_xor(row_sum[r], 2);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if ((r == 1 && !kTwoRows) || row >= GROUP) continue;
+    if (c == 0) { warp_max[warp][row] = row_max[r]; warp_sum[warp][row] = row_sum[r]; }
+    float* dst = smem + (warp * GROUP + row) * HEAD_DIM;
+#pragma unroll
+    for (int blk = 0; blk < G::kVBlocks; ++blk)
+#pragma unroll
+      for (int col = 0; col < 2; ++col)
+        dst[G::kVBytes * (2 * c + col) + blk] = acc[blk][2 * r + col];
+  }
+  __syncthreads();
+
+  const bool single = active == 1;
+  const int64_t part = ((static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits + split);
+  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
+    const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    float best = kNegInf;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) best = fmaxf(best, warp_max[w][row]);
+    float total = 0.f, value = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float weight = fast_exp2(warp_max[w][row] - best);
+      total += warp_sum[w][row] * weight;
+      value += smem[(w * GROUP + row) * HEAD_DIM + d] * weight;
+    }
+    // Per-tensor and per-head V scales multiply the output once instead of every element.
+    value = value * v_const / total;
+    const float lse2 = best + __log2f(total);
+    if (single) {
+      static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
+                                    d] = from_float<QT>(value);
+      if (p.lse != nullptr && d == 0)
+        p.lse[b * p.num_kv_heads * GROUP + head0 + row] = lse2 * kLn2;
+    } else {
+      p.partial_out[(part * GROUP + row) * HEAD_DIM + d] = value;
+      if (d == 0) p.partial_lse[part * GROUP + row] = lse2;
+    }
+  }
+  if (single || !p.fused_merge) return;
+
+  // ---- the last CTA of this (batch, kv head) to arrive merges all splits ----
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t arrived = atomicAdd(p.counters + b * p.num_kv_heads + kvh, 1u);
+    is_last = arrived + 1 == static_cast<uint32_t>(active);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active);
+  if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch
+}
+
+// Separate merge of the split partials; grid (kv head, batch).
+template <int HEAD_DIM, int GROUP, typename QT>
+__global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ DecodeParams p) {
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  int chunk, active;
+  split_range(clamped_length(p, b), p, chunk, active);
+  if (active > 1) merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active);
+}
+
+}  // namespace llfd

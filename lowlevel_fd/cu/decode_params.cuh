@@ -1,0 +1,55 @@
+// The argument block of the decode kernels. Passed by value as a __grid_constant__ parameter;
+// its Python twin is lowlevel_fd/decode/params.py (same field order, same types).
+#pragma once
+#include "common.cuh"
+
+namespace llfd {
+
+enum ScaleMode : int { kScalePerTensor = 0, kScalePerHead = 1, kScalePerToken = 2 };
+
+struct DecodeParams {
+  const void* q;            // [B, Hq, D] fp16/bf16
+  const int8_t* k_cache;    // element (b, h, t, d) at b*kv_batch_stride + h*kv_head_stride
+  const int8_t* v_cache;    //   + t*kv_token_stride + d (bytes): covers BNSH and BSNH
+  const void* k_scale;      // fp32 [1] | fp32 [Hkv] | fp32/fp16 [B, Hkv, S_max] (by scale mode)
+  const void* v_scale;
+  const int32_t* seq_lens;  // [B]
+  void* out;                // [B, Hq, D] like q
+  float* lse;               // [B, Hq] natural log, or null
+  float* partial_out;       // workspace [B, Hkv, num_splits, GROUP, D] fp32, normalised per split
+  float* partial_lse;       // workspace [B, Hkv, num_splits, GROUP], base-2 log-sum-exp
+  uint32_t* counters;       // workspace [B, Hkv]: arrivals of the splits (the last one merges)
+  uint32_t* error_flags;    // workspace [1]: bit 0 = a length exceeded the capacity (clamped)
+  int64_t q_batch_stride, q_head_stride;      // elements
+  int64_t out_batch_stride, out_head_stride;  // elements
+  int64_t kv_batch_stride, kv_head_stride, kv_token_stride;  // bytes (int8)
+  int64_t scale_batch_stride, scale_head_stride;             // elements, per-token mode
+  float score_scale_log2;   // sm_scale * log2(e)
+  int32_t num_kv_heads;
+  int32_t num_splits;       // grid.y: the most splits a sequence may use
+  int32_t min_split_tokens; // a split never gets fewer tokens than this (multiple of 16)
+  int32_t capacity;         // tokens per sequence the cache holds (lengths are clamped to it)
+  int32_t fused_merge;      // 1: the last split CTA merges; 0: a combine kernel follows
+};
+
+// How many splits sequence `len` uses and how many tokens each gets (a multiple of 16).
+// Computed on the device from the live length, so a captured graph stays right as lengths grow.
+__device__ __forceinline__ void split_range(int len, const DecodeParams& p, int& chunk,
+                                            int& active) {
+  int per_split = (len + p.num_splits - 1) / p.num_splits;
+  per_split = (per_split + 15) & ~15;
+  chunk = per_split > p.min_split_tokens ? per_split : p.min_split_tokens;
+  active = (len + chunk - 1) / chunk;
+}
+
+__device__ __forceinline__ int clamped_length(const DecodeParams& p, int b) {
+  int len = p.seq_lens[b];
+  if (len > p.capacity || len < 0) {
+    // Never read or write outside the cache: clamp, and leave a flag the host can read.
+    atomicOr(p.error_flags, 1u);
+    len = len < 0 ? 0 : p.capacity;
+  }
+  return len;
+}
+
+}  // namespace llfd

@@ -1,0 +1,96 @@
+"""Validate run()'s arguments against a plan and write their addresses and strides into the
+kernel's parameter block. Everything is checked before anything is written or launched."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import validate as check
+from .params import DecodeParams
+
+if TYPE_CHECKING:
+    from .plan import DecodePlan
+
+
+def _kv_geometry(plan: "DecodePlan", k: Any, name: str) -> tuple[int, int, int, int]:
+    """(capacity, batch stride, head stride, token stride) in bytes for either layout."""
+    B, Hkv, D = plan._batch, plan.num_kv_heads, plan.head_dim
+    if plan.kv_layout == "bnsh":
+        check.shape(name, k, (B, Hkv, None, D), "[B, Hkv, S_max, D]")
+        capacity, axes = k.shape[2], (0, 1, 2)
+    else:
+        check.shape(name, k, (B, None, Hkv, D), "[B, S_max, Hkv, D]")
+        capacity, axes = k.shape[1], (0, 2, 1)
+    check.inner_contiguous(name, k)
+    check.aligned(name, k, 16, (0, 1, 2))
+    return (capacity, *(k.strides[a] for a in axes))  # type: ignore[return-value]
+
+
+def _scale(plan: "DecodePlan", name: str, obj: Any, capacity: int) -> Any:
+    array = check.device_array(name, obj, plan.device)
+    if plan.scale_mode == "token":
+        check.dtype(name, array, (plan.scale_dtype,))
+        check.shape(name, array, (plan._batch, plan.num_kv_heads, capacity),
+                    "[B, Hkv, S_max]")
+        check.inner_contiguous(name, array)
+    else:
+        check.dtype(name, array, ("float32",))
+        count = 1 if plan.scale_mode == "tensor" else plan.num_kv_heads
+        if array.size != count or array.ndim > 1:
+            label = "[1]" if count == 1 else "[Hkv]"
+            raise ValueError(f"{name}: expected shape {label}=({count},) for scale_mode="
+                             f"'{plan.scale_mode}', got {array.shape}")
+        check.contiguous(name, array)
+    return array
+
+
+def bind_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_cache: Any, v_cache: Any,
+                   k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, lse: Any) -> None:
+    device, B, Hq, D = plan.device, plan._batch, plan.num_q_heads, plan.head_dim
+    q = check.device_array("q", q, device)
+    check.dtype("q", q, (plan.q_dtype,))
+    check.shape("q", q, (B, Hq, D), "[B, Hq, D]")
+    check.inner_contiguous("q", q)
+    check.aligned("q", q, 16, (0, 1))
+    out = check.device_array("out", out, device)
+    check.dtype("out", out, (plan.q_dtype,))
+    check.shape("out", out, (B, Hq, D), "[B, Hq, D]")
+    check.inner_contiguous("out", out)
+    k = check.device_array("k_cache", k_cache, device)
+    v = check.device_array("v_cache", v_cache, device)
+    check.dtype("k_cache", k, ("int8",))
+    check.dtype("v_cache", v, ("int8",))
+    capacity, batch_stride, head_stride, token_stride = _kv_geometry(plan, k, "k_cache")
+    if v.shape != k.shape or v.strides != k.strides:
+        raise ValueError(f"v_cache: expected the shape and strides of k_cache "
+                         f"{k.shape}/{k.strides}, got {v.shape}/{v.strides}")
+    check.aligned("v_cache", v, 16, (0, 1, 2))
+    if capacity < plan._planned_max:
+        raise ValueError(f"k_cache: capacity {capacity} tokens is below the planned longest "
+                         f"sequence {plan._planned_max}")
+    ks = _scale(plan, "k_scale", k_scale, capacity)
+    vs = _scale(plan, "v_scale", v_scale, capacity)
+    if plan.scale_mode == "token" and ks.strides != vs.strides:
+        raise ValueError(f"v_scale: expected the strides of k_scale {ks.strides}, "
+                         f"got {vs.strides}")
+    lengths = check.device_array("seq_lens", seq_lens, device)
+    check.dtype("seq_lens", lengths, ("int32",))
+    check.shape("seq_lens", lengths, (B,), "[B]")
+    check.contiguous("seq_lens", lengths)
+    lse_ptr = 0
+    if lse is not None:
+        lse_array = check.device_array("lse", lse, device)
+        check.dtype("lse", lse_array, ("float32",))
+        check.shape("lse", lse_array, (B, Hq), "[B, Hq]")
+        check.contiguous("lse", lse_array)
+        lse_ptr = lse_array.ptr
+
+    item = q.itemsize
+    p.q, p.out, p.k_cache, p.v_cache = q.ptr, out.ptr, k.ptr, v.ptr
+    p.k_scale, p.v_scale, p.seq_lens, p.lse = ks.ptr, vs.ptr, lengths.ptr, lse_ptr
+    p.q_batch_stride, p.q_head_stride = q.strides[0] // item, q.strides[1] // item
+    p.out_batch_stride, p.out_head_stride = out.strides[0] // item, out.strides[1] // item
+    p.kv_batch_stride, p.kv_head_stride, p.kv_token_stride = batch_stride, head_stride, token_stride
+    if plan.scale_mode == "token":
+        p.scale_batch_stride = ks.strides[0] // ks.itemsize
+        p.scale_head_stride = ks.strides[1] // ks.itemsize
+    p.capacity = capacity

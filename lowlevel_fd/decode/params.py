@@ -1,0 +1,21 @@
+"""The Python twin of ``DecodeParams`` in cu/decode_params.cuh: same fields, same order."""
+from __future__ import annotations
+
+import ctypes
+
+_POINTERS = ("q", "k_cache", "v_cache", "k_scale", "v_scale", "seq_lens", "out", "lse",
+             "partial_out", "partial_lse", "counters", "error_flags")
+_STRIDES = ("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride",
+            "kv_batch_stride", "kv_head_stride", "kv_token_stride", "scale_batch_stride",
+            "scale_head_stride")
+
+
+class DecodeParams(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_uint64) for name in _POINTERS]
+                + [(name, ctypes.c_int64) for name in _STRIDES]
+                + [("score_scale_log2", ctypes.c_float), ("num_kv_heads", ctypes.c_int32),
+                   ("num_splits", ctypes.c_int32), ("min_split_tokens", ctypes.c_int32),
+                   ("capacity", ctypes.c_int32), ("fused_merge", ctypes.c_int32)])
+
+
+assert ctypes.sizeof(DecodeParams) == 192, "must match sizeof(llfd::DecodeParams)"

@@ -1,0 +1,191 @@
+"""DecodePlan: ``plan()`` does the host work once, ``run()`` only launches (graph-capturable)."""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..driver import Device, DeviceArray, Kernel, LaunchConfig, Module, PreparedLaunch
+from ..driver.stream import StreamLike
+from . import validate as check
+from .bind import bind_arguments
+from .params import DecodeParams
+from .planner import TileConfig, Workload, choose, workspace_pairs_bound
+from .variants import GROUP_SIZES, HEAD_DIMS, DecodeVariant
+
+KV_LAYOUTS = ("bnsh", "bsnh")
+SCALE_MODES = ("tensor", "head", "token")
+_LOG2E = 1.4426950408889634
+_loaded: dict[tuple[int, DecodeVariant], tuple[Module, Kernel, Kernel]] = {}
+
+
+def load_variant(variant: DecodeVariant, device: Device) -> tuple[Kernel, Kernel]:
+    """Compile (cached on disk) and load a variant once per process and device."""
+    key = (device.ordinal, variant)
+    if key not in _loaded:
+        program = variant.compile(device.arch)
+        module = Module(program.cubin, device)
+        split = module.get_kernel(program.symbol(variant.split_kernel))
+        combine = module.get_kernel(program.symbol(variant.combine_kernel))
+        if variant.dynamic_shared_bytes > 48 * 1024:
+            split.set_max_dynamic_shared(variant.dynamic_shared_bytes)
+        _loaded[key] = (module, split, combine)
+    _, split, combine = _loaded[key]
+    return split, combine
+
+
+class DecodePlan:
+    """Decode attention (one query token per sequence) over an INT8 KV cache.
+
+    ``plan(seq_lens)`` picks the launch for a batch; ``run(...)`` executes it on a stream with
+    no allocation, synchronisation or compilation. The log-sum-exp it can return is the
+    natural logarithm (FlashInfer's is base 2).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
+                 max_seq_len: int, q_dtype: str = "float16", kv_layout: str = "bnsh",
+                 scale_mode: str = "token", scale_dtype: str = "float32",
+                 sm_scale: float | None = None, device: Device | None = None) -> None:
+        check.choice("head_dim", head_dim, HEAD_DIMS)
+        check.choice("q_dtype", q_dtype, ("float16", "bfloat16"))
+        check.choice("kv_layout", kv_layout, KV_LAYOUTS)
+        check.choice("scale_mode", scale_mode, SCALE_MODES)
+        check.choice("scale_dtype", scale_dtype,
+                     ("float32", "float16") if scale_mode == "token" else ("float32",))
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
+                             f"got {num_q_heads}")
+        check.choice("group size (num_q_heads // num_kv_heads)", num_q_heads // num_kv_heads,
+                     GROUP_SIZES)
+        if max_batch < 1 or not 1 <= max_seq_len < 2**31:
+            raise ValueError(f"max_batch/max_seq_len: expected >= 1 (and < 2**31), got "
+                             f"{max_batch}/{max_seq_len}")
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group_size = num_q_heads // num_kv_heads
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.q_dtype, self.kv_layout = q_dtype, kv_layout
+        self.scale_mode, self.scale_dtype = scale_mode, scale_dtype
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        self.device = device or Device(0)
+        self._workspace: dict[str, DeviceArray] = {}
+        self._params = DecodeParams()
+        self._split: PreparedLaunch | None = None
+        self._combine: PreparedLaunch | None = None
+        self._batch = 0
+        self._planned_max = 0
+        self._description: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _close_arrays, self._workspace)
+
+    # -- plan ---------------------------------------------------------------------------------
+    def plan(self, seq_lens: Any, *, config: TileConfig | None = None) -> "DecodePlan":
+        """Choose splits and tiles for these host lengths ``[B]``, compile and load the kernel
+        (once per process), size the workspace. A captured graph stays valid for any device
+        lengths up to the cache's capacity, but must be recaptured after re-planning."""
+        self._require_open()
+        lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
+        batch, longest = int(lengths.size), int(lengths.max())
+        warps = config.num_warps if config else 4
+        variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
+                                self.scale_dtype, warps)
+        split, combine = load_variant(variant, self.device)
+        ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
+        if config is None:
+            config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
+                                     ctas_per_sm), num_warps=warps)
+        self._ensure_workspace(batch, config.num_splits)
+        p = self._params
+        p.partial_out = self._workspace["partial_out"].ptr
+        p.partial_lse = self._workspace["partial_lse"].ptr
+        p.counters = self._workspace["counters"].ptr
+        p.error_flags = self._workspace["error_flags"].ptr
+        p.score_scale_log2 = self.sm_scale * _LOG2E
+        p.num_kv_heads = self.num_kv_heads
+        p.num_splits = config.num_splits
+        p.min_split_tokens = config.min_split_tokens
+        p.fused_merge = int(config.fused_merge)
+        grid = (self.num_kv_heads, config.num_splits, batch)
+        self._split = split.prepare(
+            LaunchConfig(grid, variant.threads, variant.dynamic_shared_bytes), p)
+        self._combine = None
+        if config.num_splits > 1 and not config.fused_merge:
+            self._combine = combine.prepare(LaunchConfig((self.num_kv_heads, batch), 128), p)
+        self._batch, self._planned_max = batch, longest
+        self._description = {
+            "batch": batch, "grid": grid, "block": variant.threads,
+            "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
+            "tile_tokens": 16, "num_warps": warps, "stages": 2 if variant.prefetch else 1,
+            "fused_merge": config.fused_merge, "launches": 1 + (self._combine is not None),
+            "registers": split.num_registers, "local_bytes": split.local_bytes,
+            "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,
+            "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,
+        }
+        return self
+
+    def _ensure_workspace(self, batch: int, num_splits: int) -> None:
+        pairs = max(batch * self.num_kv_heads * num_splits, workspace_pairs_bound(
+            self.max_batch, self.num_kv_heads, self.device.sm_count))
+        ws = self._workspace
+        if "partial_lse" in ws and ws["partial_lse"].shape[0] >= pairs * self.group_size:
+            return
+        for array in ws.values():
+            array.close()
+        ws["partial_out"] = DeviceArray.empty(pairs * self.group_size * self.head_dim,
+                                              np.float32, self.device)
+        ws["partial_lse"] = DeviceArray.empty(pairs * self.group_size, np.float32, self.device)
+        ws["counters"] = DeviceArray.full(self.max_batch * self.num_kv_heads, 0, np.uint32,
+                                          self.device)
+        ws["error_flags"] = DeviceArray.full(1, 0, np.uint32, self.device)
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+            seq_lens: Any, out: Any, *, lse: Any = None, stream: StreamLike) -> None:
+        """out[b, h] = softmax(sm_scale * q[b, h] K^T) V over the first seq_lens[b] tokens.
+
+        q, out: ``[B, Hq, D]`` fp16/bf16; caches: int8 ``[B, Hkv, S, D]`` (bnsh) or
+        ``[B, S, Hkv, D]`` (bsnh); seq_lens: int32 ``[B]`` on the device; lse: optional fp32
+        ``[B, Hq]`` (natural log). Enqueued on ``stream``; returns at once.
+        """
+        if self._split is None:
+            raise RuntimeError("run: call plan(seq_lens) first")
+        self._require_open()
+        bind_arguments(self, self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
+                       out, lse)
+        self._split.launch(stream)
+        if self._combine is not None:
+            self._combine.launch(stream)
+
+    # -- introspection and lifetime -----------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """The planned launch: grid, splits, tile, stages, registers, shared memory."""
+        return dict(self._description)
+
+    def error_flags(self, *, clear: bool = True) -> int:
+        """Bit 0: a device length exceeded the cache capacity and was clamped. Synchronous."""
+        flags = self._workspace["error_flags"]
+        value = int(flags.numpy()[0])
+        if clear:
+            flags.fill(0)
+        return value
+
+    def _require_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("DecodePlan is closed")
+
+    def close(self) -> None:
+        """Free the workspace; the plan cannot run afterwards."""
+        self._finalizer()
+        self._split = self._combine = None
+
+    def __enter__(self) -> "DecodePlan":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_arrays(arrays: dict[str, DeviceArray]) -> None:
+    for array in arrays.values():
+        array.close()
+    arrays.clear()

@@ -1,0 +1,69 @@
+"""The compiled variants of the decode kernels: what is a variant, its name, how it is built."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..compiler import CompiledProgram, CompileOptions, compile_cached
+
+SOURCE = "decode.cu"
+HEAD_DIMS = (64, 128, 256)
+GROUP_SIZES = (1, 2, 4, 8, 16)
+Q_DTYPES = ("float16", "bfloat16")
+SCALE_MODES = ("tensor", "head", "token")
+TOKEN_SCALE_DTYPES = ("float32", "float16")
+WARP_COUNTS = (2, 4, 8)
+_MODE_ID = {"tensor": 0, "head": 1, "token": 2}
+_CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16", "float32": "float"}
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """One instantiation of decode_split (and its decode_combine)."""
+
+    head_dim: int
+    group_size: int
+    q_dtype: str = "float16"
+    scale_mode: str = "token"
+    scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
+    num_warps: int = 4
+
+    @property
+    def prefetch(self) -> bool:
+        """Register double buffering of the next tile; head_dim 256 has no registers for it."""
+        return self.head_dim != 256
+
+    @property
+    def split_kernel(self) -> str:
+        scale_t = _CXX_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
+        return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
+                f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, "
+                f"{'true' if self.prefetch else 'false'}>")
+
+    @property
+    def combine_kernel(self) -> str:
+        return (f"llfd::decode_combine<{self.head_dim}, {self.group_size}, "
+                f"{_CXX_TYPE[self.q_dtype]}>")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        """Per-warp partial outputs for the in-CTA merge."""
+        return self.num_warps * self.group_size * self.head_dim * 4
+
+    def compile(self, arch: str) -> CompiledProgram:
+        return compile_cached(SOURCE, CompileOptions(arch=arch),
+                              (self.split_kernel, self.combine_kernel))
+
+
+def shipped_variants(num_warps: tuple[int, ...] = (4,)) -> Iterator[DecodeVariant]:
+    """Every variant the plan can pick from (the CI compiles all of them)."""
+    for dim, group, q_dtype, warps in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES,
+                                                        num_warps):
+        for mode in SCALE_MODES:
+            for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
+                yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps)

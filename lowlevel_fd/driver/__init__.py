@@ -1,0 +1,14 @@
+"""The driver layer: a thin typed wrapper over ``cuda.bindings.driver`` (no torch, no cupy)."""
+from ._api import CudaError, cu
+from .device import Device, device_count, driver_version, gpu_available
+from .graph import Graph, capture, is_capturing
+from .memory import Allocation, DeviceArray, as_device_array, pinned_empty
+from .module import ArgPack, Kernel, LaunchConfig, Module, PreparedLaunch, launch
+from .stream import Event, Stream, stream_address, stream_handle
+
+__all__ = [
+    "Allocation", "ArgPack", "CudaError", "Device", "DeviceArray", "Event", "Graph", "Kernel",
+    "LaunchConfig", "Module", "PreparedLaunch", "Stream", "as_device_array", "capture", "cu",
+    "device_count", "driver_version", "gpu_available", "is_capturing", "launch", "pinned_empty",
+    "stream_address", "stream_handle",
+]

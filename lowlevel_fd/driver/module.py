@@ -1,0 +1,173 @@
+"""Loaded CUBIN modules, kernels, argument packing and launches."""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._api import cu, raw
+from .device import Device
+from .stream import StreamLike, stream_handle
+
+_NUMPY_TO_CTYPES = {
+    np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
+    np.dtype(np.int16): ctypes.c_int16, np.dtype(np.uint16): ctypes.c_uint16,
+    np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
+}
+
+
+def _as_ctype(value: Any) -> Any:
+    """One kernel argument as a ctypes object the parameter block can point at."""
+    if isinstance(value, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
+        return value
+    if isinstance(value, np.generic):
+        return _NUMPY_TO_CTYPES[value.dtype](value.item())
+    if hasattr(value, "ptr") and hasattr(value, "dtype"):  # DeviceArray
+        return ctypes.c_uint64(value.ptr)
+    if hasattr(value, "__cuda_array_interface__"):
+        return ctypes.c_uint64(value.__cuda_array_interface__["data"][0])
+    if value is None:
+        return ctypes.c_uint64(0)
+    raise TypeError(f"kernel argument: expected a ctypes value, numpy scalar, device array or "
+                    f"None, got {type(value).__name__} (wrap Python numbers, e.g. np.int32(3): "
+                    f"their width is ambiguous)")
+
+
+class ArgPack:
+    """Kernel arguments packed once into a ``void*[]`` block; ``set`` rewrites one in place."""
+
+    def __init__(self, *args: Any) -> None:
+        self.values = [_as_ctype(a) for a in args]
+        self._pointers = (ctypes.c_void_p * max(len(self.values), 1))(
+            *[ctypes.addressof(v) for v in self.values])
+        self.address = ctypes.addressof(self._pointers)
+
+    def set(self, index: int, value: Any) -> None:
+        slot = self.values[index]
+        if isinstance(slot, ctypes.Structure):
+            ctypes.memmove(ctypes.addressof(slot), ctypes.addressof(value), ctypes.sizeof(slot))
+        else:
+            slot.value = value.ptr if hasattr(value, "ptr") else value
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Grid and block shapes (x, y, z) and dynamic shared memory in bytes."""
+
+    grid: tuple[int, int, int] | int
+    block: tuple[int, int, int] | int
+    shared_mem: int = 0
+
+    def dims(self) -> tuple[int, ...]:
+        grid = self.grid if isinstance(self.grid, tuple) else (self.grid, 1, 1)
+        block = self.block if isinstance(self.block, tuple) else (self.block, 1, 1)
+        if len(grid) != 3 or len(block) != 3 or min(grid + block) < 1:
+            raise ValueError(f"LaunchConfig: expected positive 3-D grid and block, "
+                             f"got grid={self.grid} block={self.block}")
+        return (*grid, *block)
+
+
+class Kernel:
+    """A ``__global__`` function of a loaded Module."""
+
+    def __init__(self, module: "Module", name: str) -> None:
+        self.module = module
+        self.name = name
+        self.handle = cu.cuModuleGetFunction(module.handle, name.encode())
+
+    def attribute(self, attr: str) -> int:
+        return int(cu.cuFuncGetAttribute(getattr(raw.CUfunction_attribute, attr), self.handle))
+
+    @property
+    def num_registers(self) -> int:
+        return self.attribute("CU_FUNC_ATTRIBUTE_NUM_REGS")
+
+    @property
+    def local_bytes(self) -> int:
+        return self.attribute("CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES")
+
+    @property
+    def static_shared_bytes(self) -> int:
+        return self.attribute("CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES")
+
+    def set_max_dynamic_shared(self, nbytes: int) -> None:
+        """Allow ``nbytes`` of dynamic shared memory (needed above 48 KiB)."""
+        cu.cuFuncSetAttribute(
+            self.handle,
+            raw.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+
+    def occupancy(self, block_threads: int, dynamic_shared: int = 0) -> int:
+        """Resident blocks per SM for this block size and dynamic shared memory."""
+        return int(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            self.handle, block_threads, dynamic_shared))
+
+    def prepare(self, config: LaunchConfig, *args: Any) -> "PreparedLaunch":
+        return PreparedLaunch(self, config, ArgPack(*args))
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+
+class PreparedLaunch:
+    """A kernel, its launch shape and a packed argument block: ``launch(stream)`` is one call."""
+
+    __slots__ = ("kernel", "config", "args", "_dims")
+
+    def __init__(self, kernel: Kernel, config: LaunchConfig, args: ArgPack) -> None:
+        self.kernel, self.config, self.args = kernel, config, args
+        self._dims = config.dims()
+
+    def launch(self, stream: StreamLike) -> None:
+        cu.cuLaunchKernel(self.kernel.handle, *self._dims, self.config.shared_mem,
+                          stream_handle(stream), self.args.address, 0)
+
+
+def launch(stream: StreamLike, config: LaunchConfig, kernel: Kernel, *args: Any) -> None:
+    """Launch ``kernel`` once (packs the arguments on every call; use ``prepare`` when hot)."""
+    kernel.prepare(config, *args).launch(stream)
+
+
+def _unload(handle: Any, context: Any) -> None:
+    try:
+        cu.cuCtxSetCurrent(context)
+        cu.cuModuleUnload(handle)
+    except Exception:
+        pass
+
+
+class Module:
+    """A CUBIN loaded into the device's context; ``get_kernel(name)`` looks functions up."""
+
+    def __init__(self, cubin: bytes, device: Device | None = None) -> None:
+        self.device = device or Device(0)
+        self.device.set_current()
+        self._image = cubin  # keep the bytes alive while the driver parses them
+        self.handle = cu.cuModuleLoadData(cubin)
+        self._finalizer = weakref.finalize(self, _unload, self.handle, self.device.context)
+        self._kernels: dict[str, Kernel] = {}
+
+    def get_kernel(self, name: str) -> Kernel:
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, name)
+        return self._kernels[name]
+
+    def kernels(self, names: Sequence[str]) -> list[Kernel]:
+        return [self.get_kernel(n) for n in names]
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "Module":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

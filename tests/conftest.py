@@ -1,0 +1,41 @@
+"""Test configuration: the ``gpu`` marker skips cleanly when no CUDA device is visible."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lowlevel_fd.driver import gpu_available
+
+HAS_GPU = gpu_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A generator seeded from the test's name: fresh data per test, reproducible per test."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+@pytest.fixture(scope="session")
+def device():
+    from lowlevel_fd.driver import Device
+    return Device(0)
+
+
+@pytest.fixture
+def stream(device):
+    from lowlevel_fd.driver import Stream
+    with Stream(device) as s:
+        yield s
