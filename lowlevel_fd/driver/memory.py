@@ -199,6 +199,9 @@ class DeviceArray:
 
     def reshape(self, *shape: int) -> "DeviceArray":
         shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        if shape.count(-1) == 1:  # one inferred extent, as in numpy
+            known = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+            shape = tuple(self.size // max(known, 1) if s == -1 else s for s in shape)
         if not self.is_contiguous:
             raise ValueError("reshape: needs a C-contiguous array")
         if int(np.prod(shape, dtype=np.int64)) != self.size:
@@ -267,10 +270,18 @@ class DeviceArray:
         else:
             cu.cuMemcpyDtoDAsync(self.ptr, other.ptr, self.nbytes, stream_handle(stream))
 
+    def _contiguous_blocks(self) -> list["DeviceArray"]:
+        """This view as C-contiguous pieces: iterate the outer axes until the rest is dense."""
+        if self.is_contiguous:
+            return [self]
+        return [piece for i in range(self.shape[0]) for piece in self[i]._contiguous_blocks()]
+
     def fill(self, value: float, stream: StreamLike | None = None) -> None:
-        """Set every element of a contiguous array to ``value`` (NaN poisons floats)."""
+        """Set every element to ``value`` (NaN poisons floats); strided views fill piecewise."""
         if not self.is_contiguous:
-            raise ValueError("fill: needs a C-contiguous array")
+            for block in self._contiguous_blocks():
+                block.fill(value, stream)
+            return
         pattern = np.array([value]).astype(self.dtype).view(f"u{self.itemsize}")[0]
         self.device.set_current()
         setter, count = {1: ("cuMemsetD8", self.nbytes), 2: ("cuMemsetD16", self.nbytes // 2),

@@ -64,8 +64,10 @@ class LaunchConfig:
     shared_mem: int = 0
 
     def dims(self) -> tuple[int, ...]:
-        grid = self.grid if isinstance(self.grid, tuple) else (self.grid, 1, 1)
-        block = self.block if isinstance(self.block, tuple) else (self.block, 1, 1)
+        """(gx, gy, gz, bx, by, bz); shorter tuples are padded with 1."""
+        grid = tuple(self.grid) if isinstance(self.grid, tuple) else (self.grid,)
+        block = tuple(self.block) if isinstance(self.block, tuple) else (self.block,)
+        grid, block = grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block))
         if len(grid) != 3 or len(block) != 3 or min(grid + block) < 1:
             raise ValueError(f"LaunchConfig: expected positive 3-D grid and block, "
                              f"got grid={self.grid} block={self.block}")

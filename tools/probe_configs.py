@@ -1,0 +1,77 @@
+"""Quick L2-honest probe of DecodePlan tile configs (development aid; tools/tune.py is the
+full sweep). Usage: probe_configs.py B,S [B,S ...]"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from lowlevel_fd.decode import DecodePlan, TileConfig
+from lowlevel_fd.driver import DeviceArray, Event, Stream, capture
+
+
+def layers_for(nbytes: int) -> int:
+    return max(2, min(64, -(-200 * 2**20 // nbytes)))
+
+
+def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
+    rng = np.random.default_rng(0)
+    shape = (batch, 8, length, 128)
+    kv = batch * 8 * length * (256 + 8)
+    num_layers = layers_for(kv)
+    stream = Stream()
+    lens = DeviceArray.from_numpy(np.full(batch, length, np.int32))
+    chunk = rng.integers(-127, 128, 1 << 24, dtype=np.int8)
+    layers = []
+    for _ in range(num_layers):
+        k = DeviceArray.empty(shape, np.int8)
+        v = DeviceArray.empty(shape, np.int8)
+        flat_k, flat_v = k.reshape(-1), v.reshape(-1)
+        for off in range(0, k.size, chunk.size):
+            n = min(chunk.size, k.size - off)
+            flat_k[off:off + n].copy_from_numpy(chunk[:n])
+            flat_v[off:off + n].copy_from_numpy(chunk[::-1][:n])
+        ks = DeviceArray.from_numpy(rng.uniform(0.004, 0.012, shape[:3]).astype(np.float32))
+        vs = DeviceArray.from_numpy(rng.uniform(0.004, 0.012, shape[:3]).astype(np.float32))
+        q = DeviceArray.from_numpy(rng.standard_normal((batch, 32, 128)).astype(np.float16))
+        out = DeviceArray.empty((batch, 32, 128), np.float16)
+        layers.append((q, k, v, ks, vs, out))
+    for config in configs:
+        plan = DecodePlan(32, 8, 128, max_batch=batch, max_seq_len=length)
+        plan.plan([length] * batch, config=config)
+        with capture(stream) as graph:
+            for q, k, v, ks, vs, out in layers:
+                plan.run(q, k, v, ks, vs, lens, out, stream=stream)
+        for _ in range(5):
+            graph.launch(stream)
+        times = []
+        for _ in range(30):
+            start, end = Event().record(stream), Event()
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append((end - start) * 1e3 / num_layers)
+        med = float(np.median(times))
+        d = plan.describe()
+        print(f"B={batch:4d} S={length:6d} L={num_layers:2d} warps={d['num_warps']} "
+              f"splits={d['num_splits']:3d} min={d['min_split_tokens']:4d} "
+              f"fused={int(d['fused_merge'])} occ={d['ctas_per_sm']}  {med:8.2f} us  "
+              f"{kv / med / 1e3:7.0f} GB/s", flush=True)
+        graph.close()
+        plan.close()
+
+
+def main() -> None:
+    for arg in sys.argv[1:]:
+        batch, length = map(int, arg.split(","))
+        configs: list[TileConfig | None] = [None]
+        for warps in (4, 8):
+            for splits in (1, 4, 8, 16, 32, 64):
+                for minimum in (16, 64):
+                    configs.append(TileConfig(warps, splits, minimum, True))
+            configs.append(TileConfig(warps, 16, 16, False))
+        probe(batch, length, configs)
+
+
+if __name__ == "__main__":
+    main()
