@@ -35,8 +35,11 @@ class Case:
     def random(cls, rng: np.random.Generator, lengths: list[int], *, num_q_heads: int = 32,
                num_kv_heads: int = 8, head_dim: int = 128, capacity: int | None = None,
                **options: Any) -> "Case":
-        case = cls(len(lengths), num_q_heads, num_kv_heads, head_dim, list(lengths),
-                   capacity or max(max(lengths), 1), **options)
+        if capacity is None:  # fp16 token-scale rows must start 4-byte aligned: even S_max
+            capacity = max(max(lengths), 1)
+            capacity += capacity % 2 if options.get("scale_dtype") == "float16" else 0
+        case = cls(len(lengths), num_q_heads, num_kv_heads, head_dim, list(lengths), capacity,
+                   **options)
         case.fill_host(rng)
         return case
 

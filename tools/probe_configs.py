@@ -55,7 +55,8 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
         d = plan.describe()
         print(f"B={batch:4d} S={length:6d} L={num_layers:2d} warps={d['num_warps']} "
               f"splits={d['num_splits']:3d} min={d['min_split_tokens']:4d} "
-              f"fused={int(d['fused_merge'])} occ={d['ctas_per_sm']}  {med:8.2f} us  "
+              f"stages={d['stages']} fused={int(d['fused_merge'])} occ={d['ctas_per_sm']} "
+              f"regs={d['registers']}  {med:8.2f} us  "
               f"{kv / med / 1e3:7.0f} GB/s", flush=True)
         graph.close()
         plan.close()
@@ -66,9 +67,9 @@ def main() -> None:
         batch, length = map(int, arg.split(","))
         configs: list[TileConfig | None] = [None]
         for warps in (4, 8):
-            for splits in (1, 4, 8, 16, 32, 64):
-                for minimum in (16, 64):
-                    configs.append(TileConfig(warps, splits, minimum, True))
+            for splits in (1, 8, 16, 32):
+                for stages in (2, 4, 6):
+                    configs.append(TileConfig(warps, splits, 16, True, stages))
             configs.append(TileConfig(warps, 16, 16, False))
         probe(batch, length, configs)
 

@@ -143,3 +143,45 @@ __device__ __forceinline__ void load_stream(uint32_t* words, const void* ptr) {
 }
 
 }  // namespace llfd
+
+namespace llfd {
+
+// ---- cp.async: global -> shared copies that bypass registers (sm_80+) ----
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  uint64_t address;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(address) : "l"(pointer));
+  return static_cast<uint32_t>(address);
+}
+
+// 16 bytes, cached in L2 only (.cg): the KV cache is streamed once.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+
+// 4 bytes of which `src_bytes` are read and the rest zero-filled (0 reads nothing at all).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+__device__ __forceinline__ uint4 load_shared_16(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load_shared_8(uint32_t address) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(address));
+  return v;
+}
+
+}  // namespace llfd

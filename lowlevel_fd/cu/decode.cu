@@ -16,6 +16,7 @@
 //    at bytes [VB*g, VB*g + VB) (VB = D/8), so one warp load covers four whole 128-byte rows.
 //    Byte j of word q becomes column g of n-block 4q+j: output dim VB*col + 4q + j.
 #include "decode_params.cuh"
+#include "decode_pipeline.cuh"
 
 namespace llfd {
 
@@ -32,44 +33,62 @@ struct Geometry {
   static constexpr int kVBlocks = HEAD_DIM / 8;    // n-blocks of O += P V
 };
 
-// One warp's loads for a 16-token tile, issued one tile ahead of the math.
-template <int HEAD_DIM, int SCALE_MODE>
+// One warp's operands for a 16-token tile, read from its pipeline stage in fragment order.
+template <int HEAD_DIM>
 struct Tile {
   using G = Geometry<HEAD_DIM>;
-  uint32_t k[2][G::kChunks];   // tokens g and 8+g
-  uint32_t v[4][G::kVWords];   // tokens 2c, 2c+1, 2c+8, 2c+9
+  uint32_t k[2][G::kChunks];     // tokens g and 8+g
+  uint32_t v[4][G::kVWords];     // tokens 2c, 2c+1, 2c+8, 2c+9
   float k_scale[4], v_scale[4];  // per-token mode: the same four tokens as v
 };
 
 template <typename ScaleT>
-__device__ __forceinline__ float load_scale(const void* base, int64_t index) {
-  if constexpr (sizeof(ScaleT) == 2)
-    return half_to_float(__ldg(static_cast<const uint16_t*>(base) + index));
-  else
-    return __ldg(static_cast<const float*>(base) + index);
+__device__ __forceinline__ float load_shared_scale(uint32_t address) {
+  if constexpr (sizeof(ScaleT) == 2) {
+    uint16_t bits;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(bits) : "r"(address));
+    return half_to_float(bits);
+  } else {
+    float value;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(value) : "r"(address));
+    return value;
+  }
 }
 
-template <int HEAD_DIM, int SCALE_MODE, typename ScaleT>
-__device__ __forceinline__ void load_tile(Tile<HEAD_DIM, SCALE_MODE>& tile, const int8_t* k_base,
-                                          const int8_t* v_base, const void* ks_base,
-                                          const void* vs_base, int64_t token_stride, int t0,
-                                          int end, int g, int c) {
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT>
+__device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, uint32_t stage, int g, int c) {
   using G = Geometry<HEAD_DIM>;
-  const int last = end - 1;  // out-of-range tokens re-read the last valid row; they are masked
+  using S = Stage<HEAD_DIM, ScaleT>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int t = min(t0 + 8 * half + g, last);
+    const int row = 8 * half + g;
 #pragma unroll
-    for (int u = 0; u < G::kKVectors; ++u)
-      load_stream<16>(&tile.k[half][4 * u], k_base + t * token_stride + 64 * u + 16 * c);
+    for (int u = 0; u < G::kKVectors; ++u) {
+      const uint4 w = load_shared_16(stage + S::kK + row * HEAD_DIM +
+                                     16 * S::k_chunk(row, 4 * u + c));
+      tile.k[half][4 * u] = w.x; tile.k[half][4 * u + 1] = w.y;
+      tile.k[half][4 * u + 2] = w.z; tile.k[half][4 * u + 3] = w.w;
+    }
   }
 #pragma unroll
   for (int slot = 0; slot < 4; ++slot) {
-    const int t = min(t0 + 2 * c + (slot & 1) + 8 * (slot >> 1), last);
-    load_stream<G::kVBytes>(tile.v[slot], v_base + t * token_stride + G::kVBytes * g);
-    if constexpr (SCALE_MODE == kScalePerToken) {
-      tile.k_scale[slot] = load_scale<ScaleT>(ks_base, t);
-      tile.v_scale[slot] = load_scale<ScaleT>(vs_base, t);
+    const int row = 2 * c + (slot & 1) + 8 * (slot >> 1);
+    const uint32_t base = stage + S::kV + row * HEAD_DIM;
+    if constexpr (HEAD_DIM == 64) {
+      const uint2 w = load_shared_8(base + 16 * S::v_chunk(row, g >> 1) + 8 * (g & 1));
+      tile.v[slot][0] = w.x; tile.v[slot][1] = w.y;
+    } else {
+#pragma unroll
+      for (int part = 0; part < G::kVBytes / 16; ++part) {
+        const int chunk = (G::kVBytes / 16) * g + part;
+        const uint4 w = load_shared_16(base + 16 * S::v_chunk(row, chunk));
+        tile.v[slot][4 * part] = w.x; tile.v[slot][4 * part + 1] = w.y;
+        tile.v[slot][4 * part + 2] = w.z; tile.v[slot][4 * part + 3] = w.w;
+      }
+    }
+    if constexpr (TOKEN_SCALES) {
+      tile.k_scale[slot] = load_shared_scale<ScaleT>(stage + S::kKScale + row * sizeof(ScaleT));
+      tile.v_scale[slot] = load_shared_scale<ScaleT>(stage + S::kVScale + row * sizeof(ScaleT));
     }
   }
 }
@@ -153,40 +172,27 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active) 
   }
 }
 
-// PREFETCH issues the next tile's loads before the current tile's math (register double
-// buffer); head_dim 256 has no registers for it and relies on other warps to hide latency.
+// STAGES tiles per warp are in flight in shared memory (decode_pipeline.cuh).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          bool PREFETCH>
+          int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
   static_assert(GROUP >= 1 && GROUP <= 16, "group size 1..16");
   constexpr bool kTwoRows = GROUP > 8;  // rows g+8 of the m16 tile carry heads
-  extern __shared__ float smem[];       // [NUM_WARPS][GROUP][HEAD_DIM] warp partial outputs
+  static_assert(STAGES >= 2, "at least double buffering");
+  // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
+  // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32).
+  extern __shared__ __align__(16) float smem[];
+  constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
+  using S = Stage<HEAD_DIM, ScaleT>;
   __shared__ float warp_max[NUM_WARPS][16], warp_sum[NUM_WARPS][16];
   __shared__ int is_last;
 
   const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int len = clamped_length(p, b);
-  int chunk, active;
-  split_range(len, p, chunk, active);
   const int head0 = kvh * GROUP;
-
-  if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
-    if (split == 0)
-      for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
-        const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
-        static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
-                                      d] = 0;
-        if (p.lse != nullptr && d == 0) p.lse[b * p.num_kv_heads * GROUP + head0 + row] = kNegInf;
-      }
-    return;
-  }
-  if (split >= active) return;
-  const int start = split * chunk, end = min(len, start + chunk);
-
-  // ---- load: the query group, the scale constants, this split's K/V rows ----
+  // ---- load: the query group first: its latency overlaps the length read below ----
   // head_dim 256 keeps the Q fragments in shared memory (one 16-byte read per lane and k-step,
   // conflict-free): in registers they would push the kernel past 255 and into spills.
   constexpr bool kQueryInShared = HEAD_DIM == 256;
@@ -204,6 +210,23 @@ decode_split(const __grid_constant__ DecodeParams p) {
         query_shared[j][lane] = make_uint4(qa[j][0], qa[j][1], qa[j][2], qa[j][3]);
     __syncthreads();
   }
+  const int len = clamped_length(p, b);
+  int chunk, active;
+  split_range(len, p, chunk, active);
+
+  if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
+    if (split == 0)
+      for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
+        const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
+                                      d] = 0;
+        if (p.lse != nullptr && d == 0) p.lse[b * p.num_kv_heads * GROUP + head0 + row] = kNegInf;
+      }
+    return;
+  }
+  if (split >= active) return;
+  const int start = split * chunk, end = min(len, start + chunk);
+
   float k_const = p.score_scale_log2, v_const = 1.f;
   if constexpr (SCALE_MODE == kScalePerTensor) {
     k_const *= __ldg(static_cast<const float*>(p.k_scale));
@@ -225,19 +248,37 @@ decode_split(const __grid_constant__ DecodeParams p) {
   for (int i = 0; i < G::kVBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};
 
-  int t0 = start + 16 * warp;
-  if (t0 < end) {
-    Tile<HEAD_DIM, SCALE_MODE> cur, next;
-    load_tile<HEAD_DIM, SCALE_MODE, ScaleT>(cur, k_base, v_base, ks_base, vs_base,
-                                            p.kv_token_stride, t0, end, g, c);
+  // ---- load: STAGES - 1 tiles ahead of the math, per warp ----
+  const ScaleT* ks_tokens = static_cast<const ScaleT*>(ks_base);
+  const ScaleT* vs_tokens = static_cast<const ScaleT*>(vs_base);
+  const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
+  constexpr int kStep = 16 * NUM_WARPS;
+  const int first = start + 16 * warp;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (first + s * kStep < end)
+      issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + s * S::kBytes, k_base, v_base, ks_tokens,
+                                                 vs_tokens, p.kv_token_stride, first + s * kStep,
+                                                 end, lane);
+    cp_async_commit();  // empty groups keep the group count uniform
+  }
+  int stage = 0;
 #pragma unroll 1
-    for (;;) {
-      const int t_next = t0 + 16 * NUM_WARPS;
-      const bool more = t_next < end;
-      if (PREFETCH && more)
-        load_tile<HEAD_DIM, SCALE_MODE, ScaleT>(next, k_base, v_base, ks_base, vs_base,
-                                                p.kv_token_stride, t_next, end, g, c);
-
+  for (int t0 = first; t0 < end; t0 += kStep) {
+    {
+      const int t_issue = t0 + (STAGES - 1) * kStep;
+      const int issue_stage = stage == 0 ? STAGES - 1 : stage - 1;
+      if (t_issue < end)
+        issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + issue_stage * S::kBytes, k_base, v_base,
+                                                   ks_tokens, vs_tokens, p.kv_token_stride,
+                                                   t_issue, end, lane);
+      cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();  // the tile of t0 has landed (this lane's part)
+    __syncwarp();                 // ... and every other lane's part is visible
+    Tile<HEAD_DIM> cur;
+    read_tile<HEAD_DIM, kTokenScales, ScaleT>(cur, pipe + stage * S::kBytes, g, c);
+    {
       // ---- score: S = Q K^T for tokens t0..t0+7 (s[0]) and t0+8..t0+15 (s[1]) ----
       float s[2][4];
 #pragma unroll
@@ -317,15 +358,12 @@ decode_split(const __grid_constant__ DecodeParams p) {
         LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1) LLFD_PV_BLOCK(2) LLFD_PV_BLOCK(3)
 #undef LLFD_PV_BLOCK
       }
-      if (!more) break;
-      if (PREFETCH)
-        cur = next;
-      else
-        load_tile<HEAD_DIM, SCALE_MODE, ScaleT>(cur, k_base, v_base, ks_base, vs_base,
-                                                p.kv_token_stride, t_next, end, g, c);
-      t0 = t_next;
     }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the merge below reuses the pipelines' shared memory
 
   // ---- merge the warps of this CTA ----
 #pragma unroll

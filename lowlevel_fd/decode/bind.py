@@ -32,6 +32,8 @@ def _scale(plan: "DecodePlan", name: str, obj: Any, capacity: int) -> Any:
         check.shape(name, array, (plan._batch, plan.num_kv_heads, capacity),
                     "[B, Hkv, S_max]")
         check.inner_contiguous(name, array)
+        # The kernel copies scales 4 bytes at a time (two fp16 tokens): rows start 4-aligned.
+        check.aligned(name, array, 4, (0, 1))
     else:
         check.dtype(name, array, ("float32",))
         count = 1 if plan.scale_mode == "tensor" else plan.num_kv_heads

@@ -88,12 +88,12 @@ class DecodePlan:
         batch, longest = int(lengths.size), int(lengths.max())
         warps = config.num_warps if config else 4
         variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
-                                self.scale_dtype, warps)
+                                self.scale_dtype, warps, config.stages if config else 0)
         split, combine = load_variant(variant, self.device)
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if config is None:
             config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
-                                     ctas_per_sm), num_warps=warps)
+                                     ctas_per_sm), num_warps=warps, stages=variant.stages)
         self._ensure_workspace(batch, config.num_splits)
         p = self._params
         p.partial_out = self._workspace["partial_out"].ptr
@@ -115,7 +115,7 @@ class DecodePlan:
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
-            "tile_tokens": 16, "num_warps": warps, "stages": 2 if variant.prefetch else 1,
+            "tile_tokens": 16, "num_warps": warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "launches": 1 + (self._combine is not None),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,

@@ -29,6 +29,7 @@ class TileConfig:
     num_splits: int = 1
     min_split_tokens: int = 64
     fused_merge: bool = True
+    stages: int = 0  # tiles in flight per warp; 0 picks the head_dim's default
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def default_min_split_tokens(num_warps: int) -> int:
 
 
 def choose(work: Workload, *, num_warps: int = 4, wave_fill: float = 0.8,
-           min_split_tokens: int | None = None, fused_merge: bool = True) -> TileConfig:
+           min_split_tokens: int | None = None, fused_merge: bool = True,
+           stages: int = 0) -> TileConfig:
     """The split count and tile settings for a workload (see the module docstring)."""
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     pairs = work.batch * work.num_kv_heads
@@ -57,7 +59,7 @@ def choose(work: Workload, *, num_warps: int = 4, wave_fill: float = 0.8,
         by_length = -(-work.max_len // min_tokens)
         splits = max(1, min(wanted, by_length, MAX_SPLITS))
     return TileConfig(num_warps=num_warps, num_splits=splits, min_split_tokens=min_tokens,
-                      fused_merge=fused_merge)
+                      fused_merge=fused_merge, stages=stages)
 
 
 def workspace_pairs_bound(max_batch: int, num_kv_heads: int, sm_count: int,

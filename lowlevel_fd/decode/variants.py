@@ -14,6 +14,11 @@ Q_DTYPES = ("float16", "bfloat16")
 SCALE_MODES = ("tensor", "head", "token")
 TOKEN_SCALE_DTYPES = ("float32", "float16")
 WARP_COUNTS = (2, 4, 8)
+
+
+def default_stages(head_dim: int) -> int:
+    """Tiles in flight per warp: 4 KB stages at head_dim 128 keep ~48 KB per CTA in flight."""
+    return {64: 6, 128: 4, 256: 3}[head_dim]
 _MODE_ID = {"tensor": 0, "head": 1, "token": 2}
 _CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16", "float32": "float"}
 
@@ -28,18 +33,23 @@ class DecodeVariant:
     scale_mode: str = "token"
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
     num_warps: int = 4
+    stages: int = 0  # 0: default_stages(head_dim)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            object.__setattr__(self, "stages", default_stages(self.head_dim))
 
     @property
-    def prefetch(self) -> bool:
-        """Register double buffering of the next tile; head_dim 256 has no registers for it."""
-        return self.head_dim != 256
+    def stage_bytes(self) -> int:
+        """One 16-token tile of K and V plus 16 K and 16 V scales (cu/decode_pipeline.cuh)."""
+        scale_size = 2 if self.scale_mode == "token" and self.scale_dtype == "float16" else 4
+        return 32 * self.head_dim + 32 * scale_size
 
     @property
     def split_kernel(self) -> str:
         scale_t = _CXX_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
-                f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, "
-                f"{'true' if self.prefetch else 'false'}>")
+                f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}>")
 
     @property
     def combine_kernel(self) -> str:
@@ -52,8 +62,9 @@ class DecodeVariant:
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        """Per-warp partial outputs for the in-CTA merge."""
-        return self.num_warps * self.group_size * self.head_dim * 4
+        """The warps' pipelines, later reused for their partial outputs (fp32)."""
+        pipelines = self.num_warps * self.stages * self.stage_bytes
+        return max(pipelines, self.num_warps * self.group_size * self.head_dim * 4)
 
     def compile(self, arch: str) -> CompiledProgram:
         return compile_cached(SOURCE, CompileOptions(arch=arch),
