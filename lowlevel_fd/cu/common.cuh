@@ -92,7 +92,7 @@ __device__ __forceinline__ uint32_t pair_from_interleaved(uint32_t ab_lo, uint32
 // B regs {k 2c..2c+1 col g, k 2c+8.. col g}; D {row g col 2c, 2c+1, row g+8 col 2c, 2c+1}.
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                             uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -164,24 +164,14 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int sr
                "r"(src_bytes));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
 
+// "memory": the compiler must not move shared-memory reads above the wait.
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
-}
-
-__device__ __forceinline__ uint4 load_shared_16(uint32_t address) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
-  return v;
-}
-
-__device__ __forceinline__ uint2 load_shared_8(uint32_t address) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(address));
-  return v;
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
 }  // namespace llfd

@@ -43,20 +43,17 @@ struct Tile {
 };
 
 template <typename ScaleT>
-__device__ __forceinline__ float load_shared_scale(uint32_t address) {
-  if constexpr (sizeof(ScaleT) == 2) {
-    uint16_t bits;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(bits) : "r"(address));
-    return half_to_float(bits);
-  } else {
-    float value;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(value) : "r"(address));
-    return value;
-  }
+__device__ __forceinline__ float scale_value(const char* address) {
+  if constexpr (sizeof(ScaleT) == 2)
+    return half_to_float(*reinterpret_cast<const uint16_t*>(address));
+  else
+    return *reinterpret_cast<const float*>(address);
 }
 
+// Plain C++ loads (not asm) so the compiler may schedule them; cp_async_wait's "memory"
+// clobber and __syncwarp keep them after the copies have landed.
 template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT>
-__device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, uint32_t stage, int g, int c) {
+__device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stage, int g, int c) {
   using G = Geometry<HEAD_DIM>;
   using S = Stage<HEAD_DIM, ScaleT>;
 #pragma unroll
@@ -64,8 +61,8 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, uint32_t stage, 
     const int row = 8 * half + g;
 #pragma unroll
     for (int u = 0; u < G::kKVectors; ++u) {
-      const uint4 w = load_shared_16(stage + S::kK + row * HEAD_DIM +
-                                     16 * S::k_chunk(row, 4 * u + c));
+      const uint4 w = *reinterpret_cast<const uint4*>(
+          stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, 4 * u + c));
       tile.k[half][4 * u] = w.x; tile.k[half][4 * u + 1] = w.y;
       tile.k[half][4 * u + 2] = w.z; tile.k[half][4 * u + 3] = w.w;
     }
@@ -73,22 +70,23 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, uint32_t stage, 
 #pragma unroll
   for (int slot = 0; slot < 4; ++slot) {
     const int row = 2 * c + (slot & 1) + 8 * (slot >> 1);
-    const uint32_t base = stage + S::kV + row * HEAD_DIM;
+    const char* base = stage + S::kV + row * HEAD_DIM;
     if constexpr (HEAD_DIM == 64) {
-      const uint2 w = load_shared_8(base + 16 * S::v_chunk(row, g >> 1) + 8 * (g & 1));
+      const uint2 w = *reinterpret_cast<const uint2*>(base + 16 * S::v_chunk(row, g >> 1) +
+                                                      8 * (g & 1));
       tile.v[slot][0] = w.x; tile.v[slot][1] = w.y;
     } else {
 #pragma unroll
       for (int part = 0; part < G::kVBytes / 16; ++part) {
         const int chunk = (G::kVBytes / 16) * g + part;
-        const uint4 w = load_shared_16(base + 16 * S::v_chunk(row, chunk));
+        const uint4 w = *reinterpret_cast<const uint4*>(base + 16 * S::v_chunk(row, chunk));
         tile.v[slot][4 * part] = w.x; tile.v[slot][4 * part + 1] = w.y;
         tile.v[slot][4 * part + 2] = w.z; tile.v[slot][4 * part + 3] = w.w;
       }
     }
     if constexpr (TOKEN_SCALES) {
-      tile.k_scale[slot] = load_shared_scale<ScaleT>(stage + S::kKScale + row * sizeof(ScaleT));
-      tile.v_scale[slot] = load_shared_scale<ScaleT>(stage + S::kVScale + row * sizeof(ScaleT));
+      tile.k_scale[slot] = scale_value<ScaleT>(stage + S::kKScale + row * sizeof(ScaleT));
+      tile.v_scale[slot] = scale_value<ScaleT>(stage + S::kVScale + row * sizeof(ScaleT));
     }
   }
 }
@@ -148,27 +146,64 @@ __device__ __forceinline__ void load_query(uint32_t (&qa)[Geometry<HEAD_DIM>::kC
   }
 }
 
+constexpr int kMaxSplits = 128;  // planner.MAX_SPLITS
+
 // Merge the splits of one (batch, kv head): partials are normalised per split with base-2 LSE.
+// `scratch` is shared memory for (kMaxSplits + 2) * GROUP floats. The split LSEs are read all at
+// once, and the outputs accumulate 8 splits per step with their loads in flight together: a
+// loop of dependent L2 reads would cost a round trip per split. Fixed order: reproducible.
 template <int HEAD_DIM, int GROUP, typename QT>
-__device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active) {
+__device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, float* scratch) {
   const int64_t base = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits;
   const float* lse_in = p.partial_lse + base * GROUP;
-  const float* out_in = p.partial_out + base * GROUP * HEAD_DIM;
-  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
-    const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
-    float best = kNegInf;
-    for (int s = 0; s < active; ++s) best = fmaxf(best, __ldcg(lse_in + s * GROUP + row));
-    float weight_sum = 0.f, acc = 0.f;
-    for (int s = 0; s < active; ++s) {  // fixed order: bitwise reproducible
-      const float w = fast_exp2(__ldcg(lse_in + s * GROUP + row) - best);
-      weight_sum += w;
-      acc += w * __ldcg(out_in + (static_cast<int64_t>(s) * GROUP + row) * HEAD_DIM + d);
+  const float4* out_in = reinterpret_cast<const float4*>(p.partial_out + base * GROUP * HEAD_DIM);
+  float* weight = scratch;                            // [active][GROUP]
+  float* row_total = scratch + kMaxSplits * GROUP;    // [GROUP]
+  float* row_best = row_total + GROUP;                // [GROUP]
+  for (int i = threadIdx.x; i < active * GROUP; i += blockDim.x) weight[i] = __ldcg(lse_in + i);
+  __syncthreads();
+  if (threadIdx.x < GROUP) {
+    const int row = threadIdx.x;
+    float best = kNegInf, total = 0.f;
+    for (int s = 0; s < active; ++s) best = fmaxf(best, weight[s * GROUP + row]);
+    for (int s = 0; s < active; ++s) {
+      const float w = fast_exp2(weight[s * GROUP + row] - best);
+      weight[s * GROUP + row] = w;
+      total += w;
     }
-    const int head = kvh * GROUP + row;
-    static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + head * p.out_head_stride + d] =
-        from_float<QT>(acc / weight_sum);
+    row_total[row] = total;
+    row_best[row] = best;
+  }
+  __syncthreads();
+  constexpr int kQuads = HEAD_DIM / 4, kSplitStride = GROUP * kQuads;
+  for (int idx = threadIdx.x; idx < GROUP * kQuads; idx += blockDim.x) {
+    const int row = idx / kQuads;
+    const float4* src = out_in + idx;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    int s = 0;
+    for (; s + 8 <= active; s += 8) {
+      float4 v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = __ldcg(src + (s + k) * kSplitStride);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float w = weight[(s + k) * GROUP + row];
+        acc.x += w * v[k].x; acc.y += w * v[k].y; acc.z += w * v[k].z; acc.w += w * v[k].w;
+      }
+    }
+    for (; s < active; ++s) {
+      const float4 v = __ldcg(src + s * kSplitStride);
+      const float w = weight[s * GROUP + row];
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
+    const float inv = 1.f / row_total[row];
+    const int head = kvh * GROUP + row, d = 4 * (idx % kQuads);
+    uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
+                    head * p.out_head_stride + d;
+    dst[0] = from_float<QT>(acc.x * inv); dst[1] = from_float<QT>(acc.y * inv);
+    dst[2] = from_float<QT>(acc.z * inv); dst[3] = from_float<QT>(acc.w * inv);
     if (p.lse != nullptr && d == 0)
-      p.lse[b * p.num_kv_heads * GROUP + head] = (best + __log2f(weight_sum)) * kLn2;
+      p.lse[b * p.num_kv_heads * GROUP + head] = (row_best[row] + __log2f(row_total[row])) * kLn2;
   }
 }
 
@@ -277,26 +312,37 @@ decode_split(const __grid_constant__ DecodeParams p) {
     cp_async_wait<STAGES - 1>();  // the tile of t0 has landed (this lane's part)
     __syncwarp();                 // ... and every other lane's part is visible
     Tile<HEAD_DIM> cur;
-    read_tile<HEAD_DIM, kTokenScales, ScaleT>(cur, pipe + stage * S::kBytes, g, c);
+    read_tile<HEAD_DIM, kTokenScales, ScaleT>(
+        cur, reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes, g, c);
     {
       // ---- score: S = Q K^T for tokens t0..t0+7 (s[0]) and t0+8..t0+15 (s[1]) ----
-      float s[2][4];
+      // Four independent accumulation chains (two token halves x even/odd k-steps) keep the
+      // tensor pipe busy while each mma's latency runs; they are summed afterwards.
+      float s[2][4], s_odd[2][4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        s[half][0] = s[half][1] = s[half][2] = s[half][3] = 0.f;
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < G::kChunks; ++j) {
+        for (int i = 0; i < 4; ++i) s[half][i] = s_odd[half][i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < G::kChunks; ++j) {
+        uint32_t qj[4];
+        if constexpr (kQueryInShared) {
+          const uint4 q4 = query_shared[j][lane];
+          qj[0] = q4.x; qj[1] = q4.y; qj[2] = q4.z; qj[3] = q4.w;
+        } else {
+          qj[0] = qa[j][0]; qj[1] = qa[j][1]; qj[2] = qa[j][2]; qj[3] = qa[j][3];
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
           uint32_t lo, hi;
           unpack_word(cur.k[half][j] ^ 0x80808080u, lo, hi);
-          if constexpr (kQueryInShared) {
-            const uint4 q4 = query_shared[j][lane];
-            const uint32_t qj[4] = {q4.x, q4.y, q4.z, q4.w};
-            mma_16x8x16(s[half], qj, lo, hi);
-          } else {
-            mma_16x8x16(s[half], qa[j], lo, hi);
-          }
+          mma_16x8x16(j % 2 ? s_odd[half] : s[half], qj, lo, hi);
         }
       }
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[half][i] += s_odd[half][i];
       // ---- softmax: scale, mask, online max/sum in base 2 ----
       float tile_max[2] = {kNegInf, kNegInf};
 #pragma unroll
@@ -421,17 +467,19 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active);
+  merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, smem);
   if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch
 }
 
-// Separate merge of the split partials; grid (kv head, batch).
+// Separate merge of the split partials; grid (kv head, batch), 128 threads, dynamic shared
+// memory of (kMaxSplits + 2) * GROUP floats.
 template <int HEAD_DIM, int GROUP, typename QT>
 __global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ DecodeParams p) {
+  extern __shared__ __align__(16) float scratch[];
   const int kvh = blockIdx.x, b = blockIdx.y;
   int chunk, active;
   split_range(clamped_length(p, b), p, chunk, active);
-  if (active > 1) merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active);
+  if (active > 1) merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, scratch);
 }
 
 }  // namespace llfd

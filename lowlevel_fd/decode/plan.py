@@ -12,7 +12,7 @@ from ..driver.stream import StreamLike
 from . import validate as check
 from .bind import bind_arguments
 from .params import DecodeParams
-from .planner import TileConfig, Workload, choose, workspace_pairs_bound
+from .planner import MAX_SPLITS, TileConfig, Workload, choose, workspace_pairs_bound
 from .variants import GROUP_SIZES, HEAD_DIMS, DecodeVariant
 
 KV_LAYOUTS = ("bnsh", "bsnh")
@@ -94,6 +94,12 @@ class DecodePlan:
         if config is None:
             config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
                                      ctas_per_sm), num_warps=warps, stages=variant.stages)
+        if not 1 <= config.num_splits <= MAX_SPLITS:
+            raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got "
+                             f"{config.num_splits}")
+        if config.min_split_tokens < 16 or config.min_split_tokens % 16:
+            raise ValueError(f"config.min_split_tokens: expected a positive multiple of 16, "
+                             f"got {config.min_split_tokens}")
         self._ensure_workspace(batch, config.num_splits)
         p = self._params
         p.partial_out = self._workspace["partial_out"].ptr
@@ -110,7 +116,9 @@ class DecodePlan:
             LaunchConfig(grid, variant.threads, variant.dynamic_shared_bytes), p)
         self._combine = None
         if config.num_splits > 1 and not config.fused_merge:
-            self._combine = combine.prepare(LaunchConfig((self.num_kv_heads, batch), 128), p)
+            scratch = (MAX_SPLITS + 2) * self.group_size * 4  # decode_combine's merge weights
+            self._combine = combine.prepare(
+                LaunchConfig((self.num_kv_heads, batch), 128, scratch), p)
         self._batch, self._planned_max = batch, longest
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
