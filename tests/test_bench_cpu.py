@@ -1,0 +1,236 @@
+"""Specification of the benchmark tools' host-side logic (no GPU): which workloads run, how
+many layers keep a timing L2-honest, which bytes a layer must move, and how results print."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import bench  # noqa: E402
+import tune  # noqa: E402
+from benchlib import report, stats, workloads  # noqa: E402
+from benchlib.workloads import (GIB, L2_HONEST_BYTES, MAX_LAYERS, MIB, Workload,  # noqa: E402
+                                layer_count)
+from lowlevel_fd.decode.planner import TileConfig  # noqa: E402
+
+
+# -- the layer-count rule ---------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [1, 2 * MIB, 3 * MIB + 5, 4 * MIB, 16 * MIB, 64 * MIB,
+                                    199 * MIB, 200 * MIB, 300 * MIB, GIB, 8 * GIB])
+def test_layer_count_is_the_fewest_layers_over_200_mib_between_2_and_64(nbytes):
+    layers = layer_count(nbytes)
+    assert 2 <= layers <= MAX_LAYERS
+    if math.ceil(L2_HONEST_BYTES / nbytes) <= MAX_LAYERS:
+        assert layers * nbytes >= L2_HONEST_BYTES
+        assert layers == 2 or (layers - 1) * nbytes < L2_HONEST_BYTES  # no more than needed
+    else:
+        assert layers == MAX_LAYERS
+
+
+def test_layer_count_respects_the_memory_cap_even_over_an_override():
+    assert layer_count(30 * GIB) == 1
+    assert layer_count(15 * GIB) == 2
+    assert layer_count(MIB, footprint_per_layer=20 * GIB) == 2
+    assert layer_count(MIB, override=5) == 5
+    assert layer_count(15 * GIB, override=8) == 2
+
+
+def test_is_l2_honest():
+    assert workloads.is_l2_honest(4, 50 * MIB)
+    assert not workloads.is_l2_honest(64, 2 * MIB)
+
+
+# -- bytes accounting -------------------------------------------------------------------------
+B, S, HQ, HKV, D = 2, 64, 8, 2, 128
+KV = B * HKV * S * D * 2
+Q_OUT = 2 * B * HQ * D * 2
+
+
+@pytest.mark.parametrize("mode, scale_dtype, scale_bytes", [
+    ("tensor", "float32", 2 * 4),
+    ("head", "float32", 2 * HKV * 4),
+    ("token", "float32", B * HKV * S * 2 * 4),
+    ("token", "float16", B * HKV * S * 2 * 2),
+])
+@pytest.mark.parametrize("layout", ["bnsh", "bsnh"])
+def test_bytes_per_layer_are_kv_plus_scales_plus_q_and_out(mode, scale_dtype, scale_bytes,
+                                                           layout):
+    w = Workload(B, S, HQ, HKV, D, layout, mode, scale_dtype)
+    assert w.kv_bytes == KV
+    assert w.scale_bytes == scale_bytes
+    assert w.q_out_bytes == Q_OUT
+    assert w.bytes_per_layer == KV + scale_bytes + Q_OUT
+    assert w.footprint_per_layer == w.bytes_per_layer  # full lengths: allocation == traffic
+    assert w.baseline_bytes_per_layer == 2 * KV + Q_OUT
+
+
+def test_ragged_bytes_count_live_tokens_only():
+    w = Workload(16, 1000, ragged=True)
+    lengths = w.seq_lens()
+    assert lengths[0] == 1000 and lengths.min() >= 500 and lengths.max() <= 1000
+    assert np.array_equal(lengths, w.seq_lens())  # deterministic
+    assert w.kv_bytes == int(lengths.sum()) * 8 * 128 * 2
+    assert w.scale_bytes == int(lengths.sum()) * 8 * 2 * 4
+    assert w.footprint_per_layer > w.bytes_per_layer
+
+
+def test_bf16_queries_count_two_bytes():
+    assert Workload(1, 16, q_dtype="bfloat16").q_out_bytes == 2 * 32 * 128 * 2
+
+
+# -- flags --------------------------------------------------------------------------------------
+def test_parse_shapes():
+    assert workloads.parse_shapes("1,1024;8,4096") == [(1, 1024), (8, 4096)]
+    assert workloads.parse_shapes(" 2, 64 ; ") == [(2, 64)]
+
+
+@pytest.mark.parametrize("text", ["", "1", "1,x", "1,2,3", "0,16", ";"])
+def test_parse_shapes_rejects_malformed_input(text):
+    with pytest.raises(ValueError, match="--shapes"):
+        workloads.parse_shapes(text)
+
+
+def test_parse_heads():
+    assert workloads.parse_heads("32,8") == (32, 8)
+    with pytest.raises(ValueError, match="--heads: Hq must be a multiple"):
+        workloads.parse_heads("32,5")
+    with pytest.raises(ValueError, match="--heads: expected 'Hq,Hkv'"):
+        workloads.parse_heads("32")
+
+
+def test_parse_config():
+    assert workloads.parse_config("4,16,128,1") == TileConfig(4, 16, 128, True)
+    assert workloads.parse_config("2,1,32,false") == TileConfig(2, 1, 32, False)
+    for bad in ("4,16,128", "3,16,128,1", "4,0,128,1", "4,16,100,1", "4,16,128,yes"):
+        with pytest.raises(ValueError, match="--config"):
+            workloads.parse_config(bad)
+
+
+def test_default_sweep_is_the_issues_sweep():
+    sweep = workloads.default_sweep()
+    main = [(w.batch, w.seq_len) for w in sweep
+            if (w.num_q_heads, w.num_kv_heads, w.kv_layout, w.mode_label) == (32, 8, "bnsh",
+                                                                               "tok-f32")]
+    assert main == list(workloads.DEFAULT_SHAPES)
+    assert Workload(32, 4096, 16, 1) in sweep
+    at_8_4096 = {(w.kv_layout, w.mode_label) for w in sweep if (w.batch, w.seq_len) == (8, 4096)
+                 and w.num_kv_heads == 8}
+    assert at_8_4096 == {(l, m) for l in ("bnsh", "bsnh")
+                         for m in ("tensor", "head", "tok-f32", "tok-f16")}
+    assert len(sweep) == len(set(sweep)) == 16
+    assert all(w.head_dim == 128 and w.q_dtype == "float16" for w in sweep)
+
+
+def test_flags_replace_the_default_sweep_by_a_product():
+    args, sweep, _ = bench.parse(["--shapes", "1,1024;2,64", "--layout", "all",
+                                  "--scale-mode", "tensor,token-fp16", "--q-dtype", "bf16"])
+    assert len(sweep) == 2 * 2 * 2
+    assert {w.q_dtype for w in sweep} == {"bfloat16"}
+    assert {(w.scale_mode, w.scale_dtype) for w in sweep} == {("tensor", "float32"),
+                                                             ("token", "float16")}
+    _, only_heads, _ = bench.parse(["--heads", "16,1"])
+    assert [(w.batch, w.seq_len) for w in only_heads] == list(workloads.DEFAULT_SHAPES)
+    assert {w.num_kv_heads for w in only_heads} == {1}
+
+
+def test_bad_flags_exit_with_usage_error(capsys):
+    for argv in (["--shapes", "1"], ["--layout", "nhsd"], ["--config", "4,1"],
+                 ["--layers", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv + ["--dry-run"])
+        assert exit_info.value.code == 2
+    assert "--layers: expected >= 1" in capsys.readouterr().err
+
+
+def test_quick_and_iters_set_the_iteration_counts():
+    _, _, full = bench.parse([])
+    _, _, quick = bench.parse(["--quick"])
+    _, _, custom = bench.parse(["--quick", "--iters", "7"])
+    assert full.iters >= 50 and full.warmup >= 5 and full.bandwidth_iters >= 20
+    assert quick.iters < full.iters and custom.iters == 7
+
+
+def test_dry_run_lists_the_default_sweep(capsys):
+    assert bench.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for w in workloads.default_sweep():
+        assert w.label in out
+    assert "read_bandwidth over 2.00 GiB" in out
+    line = next(l for l in out.splitlines() if "B=1 S=1024 " in l)
+    assert " 64 " in line and " no " in line  # 2 MiB x 64 layers stays below 200 MiB
+
+
+# -- statistics and formatting ----------------------------------------------------------------
+def test_percentile_interpolates_between_order_statistics():
+    data = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert stats.percentile(data, 50) == 3.0
+    assert stats.percentile(data, 20) == pytest.approx(1.8)
+    assert stats.percentile(data, 80) == pytest.approx(4.2)
+    assert stats.percentile([7.0], 80) == 7.0
+    with pytest.raises(ValueError, match="at least one sample"):
+        stats.percentile([], 50)
+    summary = stats.summarize(data)
+    assert (summary.median, summary.min, summary.max, summary.count) == (3.0, 1.0, 5.0, 5)
+
+
+def test_timing_record_reports_bandwidth_and_percent():
+    record = stats.timing_record([10.0, 10.0, 12.0], bytes_per_layer=30_000_000,
+                                 bandwidth_gbps=3000.0)
+    assert record["median_us"] == 10.0
+    assert record["gbps"] == pytest.approx(3000.0)
+    assert record["pct_of_bw"] == pytest.approx(100.0)
+    assert stats.gbps(1e9, 1e6) == pytest.approx(1.0)
+
+
+def _result(ok=True, error=None):
+    w = Workload(8, 4096)
+    timing = stats.timing_record([60.0, 61.0, 62.0], w.bytes_per_layer, 3200.0)
+    return {"workload": w.as_dict(), "layers": 4, "l2_honest": True, "error": error,
+            "graph": timing, "eager": timing, "baseline": {**timing, "median_us": 150.0},
+            "speedup": 150.0 / 61.0,
+            "check": {"max_rel_err": 1e-4 if ok else 5e-2, "ok": ok}}
+
+
+def test_table_has_one_aligned_row_per_workload():
+    table = report.format_table([_result(), _result(ok=False),
+                                 _result(error="Traceback...\nCudaError: out of memory")])
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3
+    for column in ("B", "KV MiB", "graph us [p20-p80]", "%BW", "SDPA us", "speedup"):
+        assert column in lines[0]
+    assert "61.0 [60.4-61.6]" in lines[2] and "2.46x" in lines[2] and "1.0e-04" in lines[2]
+    assert "FAIL 5.0e-02" in lines[3]
+    assert "ERROR: CudaError: out of memory" in lines[4]
+    assert "64.0" in lines[2] and "tok-f32" in lines[2]
+
+
+def test_fmt_us_precision_follows_magnitude():
+    assert [report.fmt_us(v) for v in (3.14159, 45.67, 1234.5, None)] == [
+        "3.14", "45.7", "1234", "-"]
+
+
+def test_json_holds_numpy_values(tmp_path):
+    path = tmp_path / "out.json"
+    report.write_json(str(path), {"x": np.float32(1.5), "n": np.int64(3),
+                                  "config": TileConfig()})
+    data = json.loads(path.read_text())
+    assert data["x"] == 1.5 and data["n"] == 3 and data["config"]["num_warps"] == 4
+
+
+# -- tune's sweep -------------------------------------------------------------------------------
+def test_tune_candidates_cover_the_issues_grid_and_the_planner_pick():
+    auto = TileConfig(num_warps=4, num_splits=12, min_split_tokens=128, fused_merge=True)
+    configs = tune.candidate_configs(auto)
+    assert configs[0] == auto and len(configs) == len(set(configs))
+    assert {c.num_warps for c in configs} == {2, 4, 8}
+    assert {1, 2, 4, 8, 12, 16, 32, 64, 128} <= {c.num_splits for c in configs}
+    assert {c.min_split_tokens // c.num_warps for c in configs if c.num_splits > 1} == {
+        16, 32, 64}
+    assert {c.fused_merge for c in configs} == {True, False}
+    assert sum(c.num_splits == 1 for c in configs) == 3  # one per warp count

@@ -1,0 +1,29 @@
+"""Smoke runs of the benchmark tools on a GPU: the whole pipeline (bandwidth reference,
+correctness check, graph and eager timing, JSON) on a tiny workload."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import bench  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bench_smoke_run_passes_its_own_check(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = bench.main(["--shapes", "1,1024", "--quick", "--layers", "4", "--no-baseline",
+                       "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "tok-f32" in captured.out  # the table goes to stdout, progress to stderr
+    data = json.loads(out.read_text())
+    assert data["bandwidth"]["gbps"] > 100
+    (result,) = data["results"]
+    assert result["layers"] == 4 and result["check"]["ok"] and not result["error"]
+    assert result["graph"]["median_us"] > 0 and result["eager"]["median_us"] > 0

@@ -1,0 +1,74 @@
+"""The benchmark's own kernels (lowlevel_fd/cu/bench.cu): device-side random fill and the
+read-bandwidth reference every decode result is compared against."""
+from __future__ import annotations
+
+import numpy as np
+
+from lowlevel_fd.compiler import CompileOptions, compile_cached
+from lowlevel_fd.driver import Device, DeviceArray, Event, Kernel, LaunchConfig, Module, Stream
+
+from .stats import gbps, summarize
+
+GIB = 2**30
+# (blocks per SM, threads per block): the same 2048 resident threads per SM cut different ways,
+# plus an oversubscribed grid; the best one is the reference.
+BANDWIDTH_CONFIGS = ((4, 512), (8, 512), (16, 256), (2, 1024), (32, 128))
+_modules: dict[int, Module] = {}
+
+
+def bench_kernel(device: Device, name: str) -> Kernel:
+    """``read_bandwidth`` or ``fill_random``, compiled (cached) for this device's arch."""
+    if device.ordinal not in _modules:
+        program = compile_cached("bench.cu", CompileOptions(arch=device.arch))
+        _modules[device.ordinal] = Module(program.cubin, device)
+    return _modules[device.ordinal].get_kernel(name)
+
+
+def fill_random(array: DeviceArray, seed: int, stream: Stream) -> None:
+    """Overwrite a contiguous array (size a multiple of 16 bytes) with pseudo-random bytes
+    derived from ``seed``; enqueued on ``stream``."""
+    if not array.is_contiguous or array.nbytes % 16 or array.ptr % 16:
+        raise ValueError(f"fill_random: needs a contiguous, 16-byte aligned array whose size "
+                         f"is a multiple of 16 bytes, got {array!r} ({array.nbytes} bytes)")
+    vectors = array.nbytes // 16
+    kernel = bench_kernel(array.device, "fill_random")
+    blocks = max(1, min(-(-vectors // 256), array.device.sm_count * 8))
+    kernel.prepare(LaunchConfig(blocks, 256), array, np.uint64(vectors),
+                   np.uint64(seed)).launch(stream)
+
+
+def measure_read_bandwidth(device: Device, stream: Stream, *, nbytes: int = 2 * GIB,
+                           iters: int = 30, warmup: int = 3,
+                           configs: tuple[tuple[int, int], ...] = BANDWIDTH_CONFIGS) -> dict:
+    """Time ``read_bandwidth`` over ``nbytes`` of random data for each launch shape (median of
+    ``iters`` event-timed runs after ``warmup``); the best median is the reference GB/s."""
+    buffer = DeviceArray.empty(nbytes - nbytes % 16, np.uint8, device)
+    sink = DeviceArray.full(1, 0, np.uint64, device)
+    try:
+        fill_random(buffer, 0x5EED, stream)
+        kernel = bench_kernel(device, "read_bandwidth")
+        vectors = np.uint64(buffer.nbytes // 16)
+        measured = []
+        for blocks_per_sm, threads in configs:
+            launch = kernel.prepare(LaunchConfig(device.sm_count * blocks_per_sm, threads),
+                                    buffer, vectors, sink)
+            for _ in range(warmup):
+                launch.launch(stream)
+            events = [(Event(device), Event(device)) for _ in range(iters)]
+            for start, end in events:
+                start.record(stream)
+                launch.launch(stream)
+                end.record(stream)
+            stream.synchronize()
+            summary = summarize([1e3 * (end - start) for start, end in events])
+            measured.append({"blocks_per_sm": blocks_per_sm, "threads": threads,
+                             "grid": device.sm_count * blocks_per_sm,
+                             "median_us": summary.median, "p20_us": summary.p20,
+                             "p80_us": summary.p80,
+                             "gbps": gbps(buffer.nbytes, summary.median)})
+        best = max(measured, key=lambda m: m["gbps"])
+        return {"bytes": buffer.nbytes, "iters": iters, "gbps": best["gbps"], "best": best,
+                "configs": measured}
+    finally:
+        buffer.close()
+        sink.close()

@@ -1,0 +1,104 @@
+"""L layers' worth of one workload's inputs on the device, all distinct (so replaying the
+step streams L different caches, as a real model does), and the correctness check of layer 0
+against the float64 oracle."""
+from __future__ import annotations
+
+import numpy as np
+
+from lowlevel_fd.driver import Device, DeviceArray, Stream
+from lowlevel_fd.driver.dtypes import as_dtype
+from lowlevel_fd.reference import decode_attention_ref
+
+from .kernels import fill_random
+from .workloads import Workload
+
+# int8 bytes uniform on [-128, 127] have a standard deviation of ~74: scales around 1/74 give
+# dequantized K/V of unit size, hence scores of unit size and a softmax that is neither flat
+# nor one-hot, so the check exercises the whole online-softmax path.
+SCALE_CENTER = 1.0 / 74
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+# Above this many reference tokens (B x S) only a few rows are checked: the float64 oracle
+# dequantizes whole rows and would dominate the run time of the large shapes.
+FULL_CHECK_TOKENS = 1 << 16
+
+
+class LayerSet:
+    """Per layer: random int8 K/V caches (device-filled), positive random scales, a random
+    query and an output buffer; one device copy of the lengths is shared by all layers."""
+
+    def __init__(self, workload: Workload, num_layers: int, device: Device, stream: Stream,
+                 seed: int = 0) -> None:
+        self.workload, self.num_layers, self.device = workload, num_layers, device
+        rng = np.random.default_rng(seed)
+        self.host_lengths = workload.seq_lens()
+        self.seq_lens = DeviceArray.from_numpy(self.host_lengths.astype(np.int32), device)
+        q_dtype = as_dtype(workload.q_dtype)
+        scale_dtype = np.float32 if workload.scale_mode != "token" else workload.scale_dtype
+        q_shape = (workload.batch, workload.num_q_heads, workload.head_dim)
+        self.layers: list[dict[str, DeviceArray]] = []
+        self.host_q0 = None
+        for layer in range(num_layers):
+            arrays = {}
+            for name in ("k", "v"):
+                arrays[name] = DeviceArray.empty(workload.cache_shape, np.int8, device)
+                fill_random(arrays[name], seed * 1_000_003 + 2 * layer + (name == "v"), stream)
+            for name in ("k_scale", "v_scale"):
+                scales = rng.uniform(0.5, 1.5, workload.scale_shape) * SCALE_CENTER
+                arrays[name] = DeviceArray.from_numpy(scales.astype(scale_dtype), device)
+            q = rng.standard_normal(q_shape).astype(np.float32).astype(q_dtype)
+            arrays["q"] = DeviceArray.from_numpy(q, device)
+            arrays["out"] = DeviceArray.empty(q_shape, q_dtype, device)
+            if layer == 0:  # the oracle checks layer 0 only
+                self.host_q0 = q
+            self.layers.append(arrays)
+        stream.synchronize()
+        self._reference: tuple[list[int], np.ndarray] | None = None
+
+    def args(self, layer: int) -> tuple:
+        """The positional arguments of ``DecodePlan.run`` for one layer."""
+        a = self.layers[layer]
+        return (a["q"], a["k"], a["v"], a["k_scale"], a["v_scale"], self.seq_lens, a["out"])
+
+    # -- correctness ----------------------------------------------------------------------------
+    def check_rows(self) -> list[int]:
+        batch = self.workload.batch
+        if batch * self.workload.seq_len <= FULL_CHECK_TOKENS:
+            return list(range(batch))
+        return sorted({0, batch // 2, batch - 1})
+
+    def reference(self) -> tuple[list[int], np.ndarray]:
+        """(rows, float64 oracle output [rows, Hq, D]) of layer 0; computed once."""
+        if self._reference is None:
+            w, a, rows = self.workload, self.layers[0], self.check_rows()
+
+            def row_stack(array: DeviceArray) -> np.ndarray:
+                return np.stack([array[b].numpy() for b in rows])
+
+            per_row = w.scale_mode == "token"
+            k_scale = row_stack(a["k_scale"]) if per_row else a["k_scale"].numpy()
+            v_scale = row_stack(a["v_scale"]) if per_row else a["v_scale"].numpy()
+            out, _ = decode_attention_ref(
+                self.host_q0[rows], row_stack(a["k"]), row_stack(a["v"]), k_scale, v_scale,
+                self.host_lengths[rows], kv_layout=w.kv_layout, scale_mode=w.scale_mode)
+            self._reference = (rows, out)
+        return self._reference
+
+    def check_output(self) -> dict:
+        """Compare layer 0's output (already computed and synchronized) with the oracle:
+        max|out - ref| / max|ref| over the checked rows, plus non-finite values anywhere."""
+        rows, ref = self.reference()
+        out = self.layers[0]["out"].numpy().astype(np.float64)
+        non_finite = int(np.count_nonzero(~np.isfinite(out)))
+        diff = np.abs(out[rows] - ref)
+        err = float(diff.max() / max(np.abs(ref).max(), 1e-30)) if np.isfinite(diff).all() \
+            else float("inf")
+        tolerance = TOLERANCE[self.workload.q_dtype]
+        return {"rows": rows, "max_rel_err": err, "tolerance": tolerance,
+                "non_finite": non_finite, "ok": err <= tolerance and non_finite == 0}
+
+    def close(self) -> None:
+        for arrays in self.layers:
+            for array in arrays.values():
+                array.close()
+        self.layers.clear()
+        self.seq_lens.close()
