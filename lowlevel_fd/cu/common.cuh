@@ -175,3 +175,27 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 }  // namespace llfd
+
+namespace llfd {
+
+// Transpose an 8x8 matrix of 16-bit values held one row-pair per lane (lane l: row l / 4,
+// columns 2 (l % 4), +1); afterwards lane l holds row l / 4 of the transpose.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+  uint32_t out;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(x));
+  return out;
+}
+
+__device__ __forceinline__ float warp_max_xor_from(float x, int first, int last) {
+  for (int offset = first; offset <= last; offset <<= 1)
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum_xor_from(float x, int first, int last) {
+  for (int offset = first; offset <= last; offset <<= 1)
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+}  // namespace llfd

@@ -2,19 +2,20 @@
 //
 // Grid (kv head, split, batch). One CTA owns a KV head and its whole query-head group, so every
 // K/V byte is read from memory once and used by all GROUP heads. Each warp streams 16-token
-// tiles of its split and keeps its own online softmax; the CTA merges its warps, and the splits
-// of one (batch, kv head) are merged either by the last CTA to finish (a device counter) or by
-// decode_combine.
+// tiles of its split through a shared-memory pipeline (decode_pipeline.cuh) and keeps its own
+// online softmax; the CTA merges its warps, and the splits of one (batch, kv head) are merged
+// by the last CTA to finish (a device counter) or by decode_combine.
 //
-// Per 16-token tile a warp issues two m16n8k16 mmas per 16 dims for S = Q K^T (rows = heads,
-// padded to 16) and one per 8 dims for O += P V. No shared memory and no transposes are needed:
+// Tokens are the M dimension of both m16n8k16 mmas, so a 16-token tile costs one mma per 16
+// dims for S^T = K Q^T and one per 16 dims for O^T += V^T P^T; heads (up to 8 per block) are N:
 //  * S is invariant to a common permutation of the head dimension, so each lane reads 16
-//    contiguous bytes of a K row and Q is loaded into the A fragments with the same permutation:
-//    chunk j, lane quad c, element e  <->  dim 64*(j/4) + 16*c + 4*(j%4) + e.
-//  * The S accumulator fragment is already the A fragment of P for the PV mma (FlashAttention-2).
-//  * For PV the k dimension is tokens: lane (g, c) loads tokens 2c, 2c+1, 2c+8, 2c+9 of the tile
-//    at bytes [VB*g, VB*g + VB) (VB = D/8), so one warp load covers four whole 128-byte rows.
-//    Byte j of word q becomes column g of n-block 4q+j: output dim VB*col + 4q + j.
+//    contiguous bytes of a K row and Q is loaded with the same permutation:
+//    k-step j, lane quad c, element e  <->  dim 64*(j/4) + 16*c + 4*(j%4) + e.
+//  * S^T's accumulator holds (token, head-pair) per lane; one movmatrix per 8 tokens turns the
+//    probabilities into the (token-pair, head) B fragment of the PV mma.
+//  * For PV the k dimension is tokens: lane (g, c) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the tile
+//    at bytes [VB*g, VB*g + VB) (VB = D/8); byte pairs of two tokens become the A fragment.
+//    m-block 2w + i covers dims VB*g + 4w + 2i (row g) and VB*g + 4w + 2i + 1 (row g + 8).
 #include "decode_params.cuh"
 #include "decode_pipeline.cuh"
 
@@ -27,19 +28,19 @@ template <int HEAD_DIM>
 struct Geometry {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64/128/256");
   static constexpr int kKVectors = HEAD_DIM / 64;  // 16-byte K vectors per lane per token
-  static constexpr int kChunks = HEAD_DIM / 16;    // k-steps of S = Q K^T
+  static constexpr int kChunks = HEAD_DIM / 16;    // k-steps of S^T = K Q^T
   static constexpr int kVBytes = HEAD_DIM / 8;     // V bytes per lane per token
   static constexpr int kVWords = kVBytes / 4;
-  static constexpr int kVBlocks = HEAD_DIM / 8;    // n-blocks of O += P V
+  static constexpr int kMBlocks = HEAD_DIM / 16;   // m-blocks of O^T += V^T P^T
 };
 
 // One warp's operands for a 16-token tile, read from its pipeline stage in fragment order.
 template <int HEAD_DIM>
 struct Tile {
   using G = Geometry<HEAD_DIM>;
-  uint32_t k[2][G::kChunks];     // tokens g and 8+g
+  uint32_t k[2][G::kChunks];     // tokens g and g+8
   uint32_t v[4][G::kVWords];     // tokens 2c, 2c+1, 2c+8, 2c+9
-  float k_scale[4], v_scale[4];  // per-token mode: the same four tokens as v
+  float k_scale[2], v_scale[2];  // per-token mode: tokens g and g+8
 };
 
 template <typename ScaleT>
@@ -66,6 +67,10 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
       tile.k[half][4 * u] = w.x; tile.k[half][4 * u + 1] = w.y;
       tile.k[half][4 * u + 2] = w.z; tile.k[half][4 * u + 3] = w.w;
     }
+    if constexpr (TOKEN_SCALES) {
+      tile.k_scale[half] = scale_value<ScaleT>(stage + S::kKScale + row * sizeof(ScaleT));
+      tile.v_scale[half] = scale_value<ScaleT>(stage + S::kVScale + row * sizeof(ScaleT));
+    }
   }
 #pragma unroll
   for (int slot = 0; slot < 4; ++slot) {
@@ -84,38 +89,34 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
         tile.v[slot][4 * part + 2] = w.z; tile.v[slot][4 * part + 3] = w.w;
       }
     }
-    if constexpr (TOKEN_SCALES) {
-      tile.k_scale[slot] = scale_value<ScaleT>(stage + S::kKScale + row * sizeof(ScaleT));
-      tile.v_scale[slot] = scale_value<ScaleT>(stage + S::kVScale + row * sizeof(ScaleT));
-    }
   }
 }
 
-// Query rows g and g+8 of the group as fp16 A fragments, in the permuted dim order above.
-// bf16 queries are rescaled per row by a power of two into fp16 range (exact); row_scale undoes it.
-template <int HEAD_DIM, int GROUP, typename QT>
-__device__ __forceinline__ void load_query(uint32_t (&qa)[Geometry<HEAD_DIM>::kChunks][4],
-                                           float (&row_scale)[2], const uint16_t* q_group,
+// Query heads g (block 0) and g+8 (block 1) as fp16 B fragments of S^T = K Q^T, in the permuted
+// dim order. bf16 queries are rescaled per head by a power of two into fp16 range (exact);
+// head_scale undoes it.
+template <int HEAD_DIM, int GROUP, typename QT, int BLOCKS>
+__device__ __forceinline__ void load_query(uint32_t (&qb)[BLOCKS][Geometry<HEAD_DIM>::kChunks][2],
+                                           float (&head_scale)[BLOCKS], const uint16_t* q_group,
                                            int64_t q_head_stride, int g, int c) {
   using G = Geometry<HEAD_DIM>;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    const bool valid = row < GROUP;
+  for (int hb = 0; hb < BLOCKS; ++hb) {
+    const int head = g + 8 * hb;
     uint32_t words[G::kKVectors][8];
 #pragma unroll
     for (int u = 0; u < G::kKVectors; ++u) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) words[u][i] = 0;
-      if (valid) {
-        const uint4* src = reinterpret_cast<const uint4*>(q_group + row * q_head_stride +
+      if (head < GROUP) {
+        const uint4* src = reinterpret_cast<const uint4*>(q_group + head * q_head_stride +
                                                           64 * u + 16 * c);
         const uint4 lo = __ldg(src), hi = __ldg(src + 1);
         words[u][0] = lo.x; words[u][1] = lo.y; words[u][2] = lo.z; words[u][3] = lo.w;
         words[u][4] = hi.x; words[u][5] = hi.y; words[u][6] = hi.z; words[u][7] = hi.w;
       }
     }
-    row_scale[r] = 1.f;
+    head_scale[hb] = 1.f;
     if constexpr (is_same<QT, bf16>::value) {
       float absmax = 0.f;
 #pragma unroll
@@ -128,7 +129,7 @@ __device__ __forceinline__ void load_query(uint32_t (&qa)[Geometry<HEAD_DIM>::kC
       // Largest power of two with absmax * scale < 2^15: fp16 range, full bf16 precision kept.
       const int exponent = absmax > 0.f ? ((__float_as_int(absmax) >> 23) & 0xff) - 127 : 0;
       const float up = exp2f(static_cast<float>(14 - exponent));
-      row_scale[r] = 1.f / up;
+      head_scale[hb] = 1.f / up;
 #pragma unroll
       for (int u = 0; u < G::kKVectors; ++u)
 #pragma unroll
@@ -140,8 +141,8 @@ __device__ __forceinline__ void load_query(uint32_t (&qa)[Geometry<HEAD_DIM>::kC
     for (int u = 0; u < G::kKVectors; ++u)
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        qa[4 * u + w][r] = words[u][2 * w];          // elements e = 0, 1: k = 2c, 2c+1
-        qa[4 * u + w][2 + r] = words[u][2 * w + 1];  // elements e = 2, 3: k = 2c+8, 2c+9
+        qb[hb][4 * u + w][0] = words[u][2 * w];      // elements e = 0, 1: k = 2c, 2c+1
+        qb[hb][4 * u + w][1] = words[u][2 * w + 1];  // elements e = 2, 3: k = 2c+8, 2c+9
       }
   }
 }
@@ -210,39 +211,42 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
 // STAGES tiles per warp are in flight in shared memory (decode_pipeline.cuh).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
           int STAGES>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
   static_assert(GROUP >= 1 && GROUP <= 16, "group size 1..16");
-  constexpr bool kTwoRows = GROUP > 8;  // rows g+8 of the m16 tile carry heads
   static_assert(STAGES >= 2, "at least double buffering");
-  // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
-  // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32).
-  extern __shared__ __align__(16) float smem[];
+  constexpr int kBlocks = GROUP > 8 ? 2 : 1;  // head blocks of 8 (the mma's N)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   using S = Stage<HEAD_DIM, ScaleT>;
+  // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
+  // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32) and then for the split merge.
+  extern __shared__ __align__(16) float smem[];
   __shared__ float warp_max[NUM_WARPS][16], warp_sum[NUM_WARPS][16];
   __shared__ int is_last;
 
   const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int head0 = kvh * GROUP;
+
   // ---- load: the query group first: its latency overlaps the length read below ----
-  // head_dim 256 keeps the Q fragments in shared memory (one 16-byte read per lane and k-step,
-  // conflict-free): in registers they would push the kernel past 255 and into spills.
+  // head_dim 256 keeps the Q fragments in shared memory (8 bytes per lane and k-step,
+  // conflict-free): in registers they would push the kernel into spills.
   constexpr bool kQueryInShared = HEAD_DIM == 256;
-  __shared__ uint4 query_shared[kQueryInShared ? G::kChunks : 1][32];
-  uint32_t qa[G::kChunks][4];
-  float row_scale[2];
-  load_query<HEAD_DIM, GROUP, QT>(
-      qa, row_scale,
+  __shared__ uint2 query_shared[kQueryInShared ? kBlocks * G::kChunks : 1][32];
+  uint32_t qb[kBlocks][G::kChunks][2];
+  float head_scale[kBlocks];
+  load_query<HEAD_DIM, GROUP, QT, kBlocks>(
+      qb, head_scale,
       static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride + head0 * p.q_head_stride,
       p.q_head_stride, g, c);
   if constexpr (kQueryInShared) {
     if (warp == 0)
 #pragma unroll
-      for (int j = 0; j < G::kChunks; ++j)
-        query_shared[j][lane] = make_uint4(qa[j][0], qa[j][1], qa[j][2], qa[j][3]);
+      for (int hb = 0; hb < kBlocks; ++hb)
+#pragma unroll
+        for (int j = 0; j < G::kChunks; ++j)
+          query_shared[hb * G::kChunks + j][lane] = make_uint2(qb[hb][j][0], qb[hb][j][1]);
     __syncthreads();
   }
   const int len = clamped_length(p, b);
@@ -270,30 +274,43 @@ decode_split(const __grid_constant__ DecodeParams p) {
     k_const *= __ldg(static_cast<const float*>(p.k_scale) + kvh);
     v_const = __ldg(static_cast<const float*>(p.v_scale) + kvh);
   }
-  const float row_const[2] = {k_const * row_scale[0], k_const * row_scale[1]};
+  // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the
+  // lanes that loaded those heads (lane 4 * head).
+  float col_const[kBlocks][2];
+#pragma unroll
+  for (int hb = 0; hb < kBlocks; ++hb)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      col_const[hb][i] = k_const * __shfl_sync(0xffffffffu, head_scale[hb], 4 * (2 * c + i));
   const int64_t kv_offset = b * p.kv_batch_stride + kvh * p.kv_head_stride;
   const int8_t* k_base = p.k_cache + kv_offset;
   const int8_t* v_base = p.v_cache + kv_offset;
   const int64_t scale_offset = b * p.scale_batch_stride + kvh * p.scale_head_stride;
-  const void* ks_base = static_cast<const ScaleT*>(p.k_scale) + scale_offset;
-  const void* vs_base = static_cast<const ScaleT*>(p.v_scale) + scale_offset;
+  const ScaleT* ks_tokens = static_cast<const ScaleT*>(p.k_scale) + scale_offset;
+  const ScaleT* vs_tokens = static_cast<const ScaleT*>(p.v_scale) + scale_offset;
 
-  float acc[G::kVBlocks][4];
+  float acc[kBlocks][G::kMBlocks][4];
 #pragma unroll
-  for (int i = 0; i < G::kVBlocks; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};
+  for (int hb = 0; hb < kBlocks; ++hb)
+#pragma unroll
+    for (int i = 0; i < G::kMBlocks; ++i) acc[hb][i][0] = acc[hb][i][1] = acc[hb][i][2] = acc[hb][i][3] = 0.f;
+  float col_max[kBlocks][2], col_sum[kBlocks][2];
+#pragma unroll
+  for (int hb = 0; hb < kBlocks; ++hb)
+    col_max[hb][0] = col_max[hb][1] = kNegInf, col_sum[hb][0] = col_sum[hb][1] = 0.f;
+  // Per-token V scales are folded into P relative to the tile's largest scale (P stays in
+  // [0, 1], no fp16 underflow); acc holds O / v_ref and is rescaled when v_ref changes.
+  float v_ref = 1.f;
 
   // ---- load: STAGES - 1 tiles ahead of the math, per warp ----
-  const ScaleT* ks_tokens = static_cast<const ScaleT*>(ks_base);
-  const ScaleT* vs_tokens = static_cast<const ScaleT*>(vs_base);
   const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
   constexpr int kStep = 16 * NUM_WARPS;
   const int first = start + 16 * warp;
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (first + s * kStep < end)
-      issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + s * S::kBytes, k_base, v_base, ks_tokens,
-                                                 vs_tokens, p.kv_token_stride, first + s * kStep,
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (first + st * kStep < end)
+      issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + st * S::kBytes, k_base, v_base, ks_tokens,
+                                                 vs_tokens, p.kv_token_stride, first + st * kStep,
                                                  end, lane);
     cp_async_commit();  // empty groups keep the group count uniform
   }
@@ -314,96 +331,96 @@ decode_split(const __grid_constant__ DecodeParams p) {
     Tile<HEAD_DIM> cur;
     read_tile<HEAD_DIM, kTokenScales, ScaleT>(
         cur, reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes, g, c);
-    {
-      // ---- score: S = Q K^T for tokens t0..t0+7 (s[0]) and t0+8..t0+15 (s[1]) ----
-      // Four independent accumulation chains (two token halves x even/odd k-steps) keep the
-      // tensor pipe busy while each mma's latency runs; they are summed afterwards.
-      float s[2][4], s_odd[2][4];
+
+    // ---- score: S^T = K Q^T, rows tokens g and g+8, columns heads 2c, 2c+1 (per block) ----
+    // Even and odd k-steps accumulate separately: two independent mma chains per block.
+    float s[kBlocks][4], s_odd[kBlocks][4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
+    for (int hb = 0; hb < kBlocks; ++hb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s[half][i] = s_odd[half][i] = 0.f;
+      for (int i = 0; i < 4; ++i) s[hb][i] = s_odd[hb][i] = 0.f;
 #pragma unroll
-      for (int j = 0; j < G::kChunks; ++j) {
-        uint32_t qj[4];
+    for (int j = 0; j < G::kChunks; ++j) {
+      uint32_t a[4];
+      unpack_word(cur.k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
+      unpack_word(cur.k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
+#pragma unroll
+      for (int hb = 0; hb < kBlocks; ++hb) {
+        uint32_t q0, q1;
         if constexpr (kQueryInShared) {
-          const uint4 q4 = query_shared[j][lane];
-          qj[0] = q4.x; qj[1] = q4.y; qj[2] = q4.z; qj[3] = q4.w;
+          const uint2 q2 = query_shared[hb * G::kChunks + j][lane];
+          q0 = q2.x; q1 = q2.y;
         } else {
-          qj[0] = qa[j][0]; qj[1] = qa[j][1]; qj[2] = qa[j][2]; qj[3] = qa[j][3];
+          q0 = qb[hb][j][0]; q1 = qb[hb][j][1];
         }
+        mma_16x8x16(j % 2 ? s_odd[hb] : s[hb], a, q0, q1);
+      }
+    }
+    // ---- softmax: scale, mask, online max/sum per head in base 2 ----
+    const bool valid[2] = {t0 + g < end, t0 + g + 8 < end};
+    float correction[kBlocks][2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t lo, hi;
-          unpack_word(cur.k[half][j] ^ 0x80808080u, lo, hi);
-          mma_16x8x16(j % 2 ? s_odd[half] : s[half], qj, lo, hi);
-        }
+    for (int hb = 0; hb < kBlocks; ++hb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int token = i >> 1, col = i & 1;
+        float scale = col_const[hb][col];
+        if constexpr (kTokenScales) scale *= cur.k_scale[token];
+        s[hb][i] = valid[token] ? (s[hb][i] + s_odd[hb][i]) * scale : kNegInf;
       }
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[half][i] += s_odd[half][i];
-      // ---- softmax: scale, mask, online max/sum in base 2 ----
-      float tile_max[2] = {kNegInf, kNegInf};
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = i & 1, r = i >> 1, slot = 2 * half + col;
-          const bool valid = t0 + 8 * half + 2 * c + col < end;
-          float scale = row_const[r];
-          if constexpr (SCALE_MODE == kScalePerToken) scale *= cur.k_scale[slot];
-          s[half][i] = valid ? s[half][i] * scale : kNegInf;
-          tile_max[r] = fmaxf(tile_max[r], s[half][i]);
-        }
-      float correction[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float new_max = fmaxf(row_max[r], warp_max_xor(tile_max[r], 2));
-        correction[r] = fast_exp2(row_max[r] - new_max);  // exp2(-inf) = 0 on the first tile
-        row_max[r] = new_max;
-        row_sum[r] *= correction[r];
+      for (int col = 0; col < 2; ++col) {
+        const float tile_max = warp_max_xor_from(fmaxf(s[hb][col], s[hb][2 + col]), 4, 16);
+        const float new_max = fmaxf(col_max[hb][col], tile_max);
+        correction[hb][col] = fast_exp2(col_max[hb][col] - new_max);  // 0 on the first tile
+        col_max[hb][col] = new_max;
+        s[hb][col] = fast_exp2(s[hb][col] - new_max);
+        s[hb][2 + col] = fast_exp2(s[hb][2 + col] - new_max);
+        col_sum[hb][col] = col_sum[hb][col] * correction[hb][col] + s[hb][col] + s[hb][2 + col];
       }
+    }
+    float ratio[2] = {1.f, 1.f};
+    if constexpr (kTokenScales) {
+      const float tile_ref = warp_max_xor_from(fmaxf(cur.v_scale[0], cur.v_scale[1]), 4, 16);
+      const float new_ref = tile_ref > 0.f ? tile_ref : v_ref;
+      const float inv_ref = 1.f / new_ref;
+      ratio[0] = cur.v_scale[0] * inv_ref;
+      ratio[1] = cur.v_scale[1] * inv_ref;
+      const float ref_change = v_ref * inv_ref;
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
+      for (int hb = 0; hb < kBlocks; ++hb)
+        correction[hb][0] *= ref_change, correction[hb][1] *= ref_change;
+      v_ref = new_ref;
+    }
+    // ---- accumulate: O^T = O^T * correction + V^T P^T ----
+    uint32_t pb[kBlocks][2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          s[half][i] = fast_exp2(s[half][i] - row_max[i >> 1]);
-          row_sum[i >> 1] += s[half][i];
-        }
-      // ---- accumulate: O = O * correction + P V ----
-      // Rows g+8 are padding unless GROUP > 8: a zero A fragment lets the compiler drop them.
-      const uint32_t pa[4] = {pack2<f16>(s[0][0], s[0][1]),
-                              kTwoRows ? pack2<f16>(s[0][2], s[0][3]) : 0u,
-                              pack2<f16>(s[1][0], s[1][1]),
-                              kTwoRows ? pack2<f16>(s[1][2], s[1][3]) : 0u};
-      uint32_t v_scale01 = 0, v_scale23 = 0;
-      if constexpr (SCALE_MODE == kScalePerToken) {
-        v_scale01 = pack2<f16>(cur.v_scale[0], cur.v_scale[1]);
-        v_scale23 = pack2<f16>(cur.v_scale[2], cur.v_scale[3]);
+    for (int hb = 0; hb < kBlocks; ++hb) {
+      pb[hb][0] = transpose_8x8(pack2<f16>(s[hb][0] * ratio[0], s[hb][1] * ratio[0]));
+      pb[hb][1] = transpose_8x8(pack2<f16>(s[hb][2] * ratio[1], s[hb][3] * ratio[1]));
+#pragma unroll
+      for (int mb = 0; mb < G::kMBlocks; ++mb) {
+        acc[hb][mb][0] *= correction[hb][0]; acc[hb][mb][2] *= correction[hb][0];
+        acc[hb][mb][1] *= correction[hb][1]; acc[hb][mb][3] *= correction[hb][1];
       }
+    }
 #pragma unroll
-      for (int w = 0; w < G::kVWords; ++w) {
-        const uint32_t a = cur.v[0][w] ^ 0x80808080u, bb = cur.v[1][w] ^ 0x80808080u;
-        const uint32_t cc = cur.v[2][w] ^ 0x80808080u, dd = cur.v[3][w] ^ 0x80808080u;
-        const uint32_t ab_lo = prmt(a, bb, 0x5140u), ab_hi = prmt(a, bb, 0x7362u);
-        const uint32_t cd_lo = prmt(cc, dd, 0x5140u), cd_hi = prmt(cc, dd, 0x7362u);
-#define LLFD_PV_BLOCK(J)                                                       \
-  {                                                                            \
-    uint32_t b0 = pair_from_interleaved<J>(ab_lo, ab_hi);                      \
-    uint32_t b1 = pair_from_interleaved<J>(cd_lo, cd_hi);                      \
-    if constexpr (SCALE_MODE == kScalePerToken) {                              \
-      b0 = hmul2(b0, v_scale01);                                               \
-      b1 = hmul2(b1, v_scale23);                                               \
-    }                                                                          \
-    float* o = acc[4 * w + J];                                                 \
-    o[0] *= correction[0]; o[1] *= correction[0];                              \
-    if (kTwoRows) { o[2] *= correction[1]; o[3] *= correction[1]; }            \
-    mma_16x8x16(acc[4 * w + J], pa, b0, b1);                                   \
+    for (int w = 0; w < G::kVWords; ++w) {
+      const uint32_t va = cur.v[0][w] ^ 0x80808080u, vb = cur.v[1][w] ^ 0x80808080u;
+      const uint32_t vc = cur.v[2][w] ^ 0x80808080u, vd = cur.v[3][w] ^ 0x80808080u;
+      const uint32_t ab_lo = prmt(va, vb, 0x5140u), ab_hi = prmt(va, vb, 0x7362u);
+      const uint32_t cd_lo = prmt(vc, vd, 0x5140u), cd_hi = prmt(vc, vd, 0x7362u);
+#define LLFD_PV_BLOCK(I)                                                                  \
+  {                                                                                       \
+    const uint32_t a[4] = {pair_from_interleaved<2 * I>(ab_lo, ab_hi),                    \
+                           pair_from_interleaved<2 * I + 1>(ab_lo, ab_hi),                \
+                           pair_from_interleaved<2 * I>(cd_lo, cd_hi),                    \
+                           pair_from_interleaved<2 * I + 1>(cd_lo, cd_hi)};               \
+    _Pragma("unroll") for (int hb = 0; hb < kBlocks; ++hb)                                \
+        mma_16x8x16(acc[hb][2 * w + I], a, pb[hb][0], pb[hb][1]);                         \
   }
-        LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1) LLFD_PV_BLOCK(2) LLFD_PV_BLOCK(3)
+      LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1)
 #undef LLFD_PV_BLOCK
-      }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
     stage = stage + 1 == STAGES ? 0 : stage + 1;
@@ -413,19 +430,21 @@ decode_split(const __grid_constant__ DecodeParams p) {
 
   // ---- merge the warps of this CTA ----
 #pragma unroll
-  for (int r = 0; r < 2; ++r) row_sum[r] = warp_sum_xor(row_sum[r], 2);
+  for (int hb = 0; hb < kBlocks; ++hb)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    if ((r == 1 && !kTwoRows) || row >= GROUP) continue;
-    if (c == 0) { warp_max[warp][row] = row_max[r]; warp_sum[warp][row] = row_sum[r]; }
-    float* dst = smem + (warp * GROUP + row) * HEAD_DIM;
+    for (int col = 0; col < 2; ++col) {
+      const float total = warp_sum_xor_from(col_sum[hb][col], 4, 16);
+      const int head = 8 * hb + 2 * c + col;
+      if (head >= GROUP) continue;
+      if (g == 0) { warp_max[warp][head] = col_max[hb][col]; warp_sum[warp][head] = total; }
+      float* dst = smem + (warp * GROUP + head) * HEAD_DIM + G::kVBytes * g;
 #pragma unroll
-    for (int blk = 0; blk < G::kVBlocks; ++blk)
-#pragma unroll
-      for (int col = 0; col < 2; ++col)
-        dst[G::kVBytes * (2 * c + col) + blk] = acc[blk][2 * r + col];
-  }
+      for (int mb = 0; mb < G::kMBlocks; ++mb) {
+        const int d = 4 * (mb / 2) + 2 * (mb % 2);
+        dst[d] = acc[hb][mb][col] * v_ref;
+        dst[d + 1] = acc[hb][mb][2 + col] * v_ref;
+      }
+    }
   __syncthreads();
 
   const bool single = active == 1;
