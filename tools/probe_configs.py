@@ -62,9 +62,28 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
         plan.close()
 
 
+def parse_configs(text: str) -> list[TileConfig | None]:
+    """"w,splits,min,stages,fused;..." -> TileConfigs ("auto" for the planner's choice)."""
+    configs: list[TileConfig | None] = []
+    for item in text.split(";"):
+        if item == "auto":
+            configs.append(None)
+            continue
+        w, sp, mn, st, fu = (int(x) for x in item.split(","))
+        configs.append(TileConfig(w, sp, mn, bool(fu), st))
+    return configs
+
+
 def main() -> None:
+    explicit = None
+    if len(sys.argv) > 2 and sys.argv[1] == "--configs":
+        explicit = parse_configs(sys.argv[2])
+        del sys.argv[1:3]
     for arg in sys.argv[1:]:
         batch, length = map(int, arg.split(","))
+        if explicit is not None:
+            probe(batch, length, explicit)
+            continue
         configs: list[TileConfig | None] = [None]
         for warps in (4, 8):
             for splits in (1, 8, 16, 32):
