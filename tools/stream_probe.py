@@ -1,0 +1,42 @@
+"""How much per-SM parallelism a plain 16-byte streaming read needs (development aid).
+Reads 64 MiB regions of a 2 GiB random buffer (a different region per launch, so L2 never
+serves it) with several grid shapes; prints the median µs and GB/s per launch shape."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from benchlib.kernels import bench_kernel, fill_random  # noqa: E402
+
+from lowlevel_fd.driver import Device, DeviceArray, Event, LaunchConfig, Stream  # noqa: E402
+
+
+def main() -> None:
+    device, stream = Device(0), Stream()
+    region = 64 * 2**20
+    buffer = DeviceArray.empty(32 * region, np.uint8)
+    sink = DeviceArray.full(1, 0, np.uint64)
+    fill_random(buffer, 7, stream)
+    kernel = bench_kernel(device, "read_bandwidth")
+    sms = device.sm_count
+    for blocks, threads in ((sms, 128), (sms, 256), (sms, 512), (2 * sms, 128), (4 * sms, 128),
+                            (2 * sms, 256), (4 * sms, 256), (8 * sms, 256), (4 * sms, 512)):
+        times = []
+        for i in range(64):
+            view = buffer[(i % 32) * region:(i % 32 + 1) * region]
+            start, end = Event().record(stream), Event()
+            kernel.prepare(LaunchConfig(blocks, threads), view, np.uint64(region // 16),
+                           sink).launch(stream)
+            end.record(stream)
+            end.synchronize()
+            if i >= 8:
+                times.append((end - start) * 1e3)
+        med = float(np.median(times))
+        print(f"grid {blocks:5d} x {threads:4d}: {med:7.2f} us  {region / med / 1e3:6.0f} GB/s "
+              f"({threads * blocks // sms // 32} warps/SM)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
