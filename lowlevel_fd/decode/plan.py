@@ -170,7 +170,8 @@ class DecodePlan:
         return dict(self._description)
 
     def error_flags(self, *, clear: bool = True) -> int:
-        """Bit 0: a device length exceeded the cache capacity and was clamped. Synchronous."""
+        """Bit 0: a device length exceeded the cache capacity and was clamped. Synchronous:
+        waits for all work on the device first."""
         flags = self._workspace["error_flags"]
         value = int(flags.numpy()[0])
         if clear:

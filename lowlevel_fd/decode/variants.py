@@ -21,6 +21,8 @@ def default_stages(head_dim: int) -> int:
     return {64: 6, 128: 4, 256: 3}[head_dim]
 _MODE_ID = {"tensor": 0, "head": 1, "token": 2}
 _CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16", "float32": "float"}
+# Per-token scales are loaded by value: fp16 ones as raw 16-bit words (the f16 tag is empty).
+_SCALE_TYPE = {"float16": "uint16_t", "float32": "float"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class DecodeVariant:
 
     @property
     def split_kernel(self) -> str:
-        scale_t = _CXX_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
+        scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
                 f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}>")
 

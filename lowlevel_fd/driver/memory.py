@@ -223,13 +223,16 @@ class DeviceArray:
         return low, (high - low + self.itemsize) if self.size else 0
 
     def numpy(self, stream: StreamLike | None = None) -> np.ndarray:
-        """Copy to a new host array. Synchronous: ``stream`` work is ordered before the copy."""
+        """Copy to a new host array. Synchronous: waits for ``stream``, or for the whole device
+        when no stream is given."""
         self.device.set_current()
         low, length = self._span()
         host = np.empty(length, dtype=np.uint8)
         if length:
             if stream is not None:
                 cu.cuStreamSynchronize(stream_handle(stream))
+            else:  # work on non-blocking streams is not ordered before the legacy stream
+                cu.cuCtxSynchronize()
             cu.cuMemcpyDtoH(host.ctypes.data, self.ptr + low, length)
         strided = np.lib.stride_tricks.as_strided(
             host[-low:].view(self.dtype) if low else host.view(self.dtype),
@@ -249,6 +252,7 @@ class DeviceArray:
         self.device.set_current()
         if stream is None:
             cu.cuMemcpyHtoD(self.ptr, host.ctypes.data, self.nbytes)
+            cu.cuCtxSynchronize()  # complete before work on non-blocking streams reads it
         else:
             cu.cuMemcpyHtoDAsync(self.ptr, host.ctypes.data, self.nbytes, stream_handle(stream))
 
@@ -267,6 +271,7 @@ class DeviceArray:
         self.device.set_current()
         if stream is None:
             cu.cuMemcpyDtoD(self.ptr, other.ptr, self.nbytes)
+            cu.cuCtxSynchronize()
         else:
             cu.cuMemcpyDtoDAsync(self.ptr, other.ptr, self.nbytes, stream_handle(stream))
 
@@ -291,6 +296,7 @@ class DeviceArray:
             return
         if stream is None:
             getattr(cu, setter)(self.ptr, int(pattern), count)
+            cu.cuCtxSynchronize()  # memsets may return early; our streams do not wait for them
         else:
             getattr(cu, setter + "Async")(self.ptr, int(pattern), count, stream_handle(stream))
 
