@@ -51,6 +51,10 @@ def test_ragged_batch_with_empty_rows(rng, stream, kv_layout):
     TileConfig(num_warps=4, num_splits=16, min_split_tokens=16),
     TileConfig(num_warps=4, num_splits=7, fused_merge=False),
     TileConfig(num_warps=8, num_splits=128, min_split_tokens=16, fused_merge=False),
+    TileConfig(num_warps=4, num_splits=8, min_split_tokens=16, cluster=True),
+    TileConfig(num_warps=8, num_splits=16, min_split_tokens=16, cluster=True),
+    TileConfig(num_warps=2, num_splits=5, min_split_tokens=32, cluster=True, programmatic=False),
+    TileConfig(num_warps=4, num_splits=1, cluster=True),
 ])
 def test_forced_tile_configs(rng, stream, config):
     case = Case.random(rng, [4097, 1, 300, 2048])

@@ -199,3 +199,55 @@ __device__ __forceinline__ float warp_sum_xor_from(float x, int first, int last)
 }
 
 }  // namespace llfd
+
+namespace llfd {
+
+// ---- sm_90 thread-block clusters and programmatic dependent launch ----
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+#endif
+  return rank;
+}
+
+// All threads of all CTAs of the cluster; release/acquire orders shared-memory writes before
+// the barrier with remote reads after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// A float in CTA `rank`'s shared memory at the same offset as `local` in ours (DSMEM).
+__device__ __forceinline__ float load_cluster_float(const float* local, uint32_t rank) {
+  float value = 0.f;
+#if __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+#else
+  __trap();
+#endif
+  return value;
+}
+
+// Programmatic dependent launch: wait until the previous kernel on the stream has finished and
+// its writes are visible (a no-op when not launched with the attribute), then let the next
+// kernel start its own launch early. No-ops before sm_90.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+}  // namespace llfd

@@ -208,9 +208,53 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
   }
 }
 
+constexpr int kMaxCluster = 16;  // non-portable cluster size limit on sm_90
+
+// Merge the splits of one (batch, kv head) inside its cluster: each CTA has left its normalised
+// partial [GROUP][HEAD_DIM] and base-2 LSEs [GROUP] at `part` in its shared memory; CTA `rank`
+// merges outputs [rank * slice, (rank + 1) * slice) by reading every active CTA's partial
+// through DSMEM. Fixed order over ranks: reproducible.
+template <int HEAD_DIM, int GROUP, typename QT>
+__device__ void cluster_merge(const DecodeParams& p, int b, int kvh, int active,
+                              const float* part) {
+  cluster_sync();  // every partial is written and visible
+  const int rank = static_cast<int>(cluster_rank());
+  constexpr int kOutputs = GROUP * HEAD_DIM;
+  const int slice = (kOutputs + p.num_splits - 1) / p.num_splits;
+  const int stop = min(kOutputs, (rank + 1) * slice);
+  for (int idx = rank * slice + threadIdx.x; idx < stop; idx += blockDim.x) {
+    const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    float lse[kMaxCluster], value[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {  // all loads in flight together
+      lse[r] = r < active ? load_cluster_float(part + kOutputs + row, r) : kNegInf;
+      value[r] = r < active ? load_cluster_float(part + idx, r) : 0.f;
+    }
+    float best = kNegInf;
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) best = fmaxf(best, lse[r]);
+    float total = 0.f, acc = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {
+      const float w = r < active ? fast_exp2(lse[r] - best) : 0.f;
+      total += w;
+      acc += w * value[r];
+    }
+    const int head = kvh * GROUP + row;
+    static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + head * p.out_head_stride + d] =
+        from_float<QT>(acc / total);
+    if (p.lse != nullptr && d == 0)
+      p.lse[b * p.num_kv_heads * GROUP + head] = (best + __log2f(total)) * kLn2;
+  }
+  cluster_sync();  // no CTA exits while others still read its shared memory
+}
+
 // STAGES tiles per warp are in flight in shared memory (decode_pipeline.cuh).
+// CLUSTER: the CTAs of one (batch, kv head) form a thread-block cluster (grid.y = cluster size =
+// num_splits) and merge their partials through distributed shared memory, with no global
+// round trips; otherwise the last CTA to arrive merges through global memory.
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES>
+          int STAGES, bool CLUSTER>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
@@ -228,6 +272,8 @@ decode_split(const __grid_constant__ DecodeParams p) {
   const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int head0 = kvh * GROUP;
+  wait_for_previous_grid();  // q, lengths and the cache may come from the previous kernel
+  allow_next_grid();
 
   // ---- load: the query group first: its latency overlaps the length read below ----
   // head_dim 256 keeps the Q fragments in shared memory (8 bytes per lane and k-step,
@@ -263,8 +309,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
       }
     return;
   }
-  if (split >= active) return;
-  const int start = split * chunk, end = min(len, start + chunk);
+  // A cluster's idle CTAs (split >= active) stay for the cluster barriers with empty ranges.
+  const bool idle = split >= active;
+  if (!CLUSTER && idle) return;
+  const int start = idle ? 0 : split * chunk, end = idle ? 0 : min(len, start + chunk);
 
   float k_const = p.score_scale_log2, v_const = 1.f;
   if constexpr (SCALE_MODE == kScalePerTensor) {
@@ -462,9 +510,13 @@ decode_split(const __grid_constant__ DecodeParams p) {
       value += smem[(w * GROUP + row) * HEAD_DIM + d] * weight;
     }
     // Per-tensor and per-head V scales multiply the output once instead of every element.
-    value = value * v_const / total;
-    const float lse2 = best + __log2f(total);
-    if (single) {
+    value = idle ? 0.f : value * v_const / total;
+    const float lse2 = idle ? kNegInf : best + __log2f(total);
+    if (CLUSTER) {
+      float* part = smem + NUM_WARPS * GROUP * HEAD_DIM;
+      part[idx] = value;
+      if (d == 0) part[GROUP * HEAD_DIM + row] = lse2;
+    } else if (single) {
       static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
                                     d] = from_float<QT>(value);
       if (p.lse != nullptr && d == 0)
@@ -473,6 +525,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
       p.partial_out[(part * GROUP + row) * HEAD_DIM + d] = value;
       if (d == 0) p.partial_lse[part * GROUP + row] = lse2;
     }
+  }
+  if constexpr (CLUSTER) {
+    cluster_merge<HEAD_DIM, GROUP, QT>(p, b, kvh, active, smem + NUM_WARPS * GROUP * HEAD_DIM);
+    return;
   }
   if (single || !p.fused_merge) return;
 
@@ -495,6 +551,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
 template <int HEAD_DIM, int GROUP, typename QT>
 __global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ DecodeParams p) {
   extern __shared__ __align__(16) float scratch[];
+  wait_for_previous_grid();  // the partials come from decode_split
   const int kvh = blockIdx.x, b = blockIdx.y;
   int chunk, active;
   split_range(clamped_length(p, b), p, chunk, active);

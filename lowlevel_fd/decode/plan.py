@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,8 @@ from ..driver.stream import StreamLike
 from . import validate as check
 from .bind import bind_arguments
 from .params import DecodeParams
-from .planner import MAX_SPLITS, TileConfig, Workload, choose, workspace_pairs_bound
+from .planner import (MAX_CLUSTER, MAX_SPLITS, TileConfig, Workload, choose,
+                      workspace_pairs_bound)
 from .variants import GROUP_SIZES, HEAD_DIMS, DecodeVariant
 
 KV_LAYOUTS = ("bnsh", "bsnh")
@@ -31,6 +33,8 @@ def load_variant(variant: DecodeVariant, device: Device) -> tuple[Kernel, Kernel
         combine = module.get_kernel(program.symbol(variant.combine_kernel))
         if variant.dynamic_shared_bytes > 48 * 1024:
             split.set_max_dynamic_shared(variant.dynamic_shared_bytes)
+        if variant.cluster:
+            split.allow_large_clusters()
         _loaded[key] = (module, split, combine)
     _, split, combine = _loaded[key]
     return split, combine
@@ -87,13 +91,21 @@ class DecodePlan:
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         batch, longest = int(lengths.size), int(lengths.max())
         warps = config.num_warps if config else 4
+        hopper = self.device.compute_capability >= (9, 0)
         variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
                                 self.scale_dtype, warps, config.stages if config else 0)
         split, combine = load_variant(variant, self.device)
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if config is None:
             config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
-                                     ctas_per_sm), num_warps=warps, stages=variant.stages)
+                                     ctas_per_sm), num_warps=warps, stages=variant.stages,
+                            clusters=hopper)
+        if config.cluster:
+            if not hopper or not 1 <= config.num_splits <= MAX_CLUSTER:
+                raise ValueError(f"config.cluster: needs sm_90+ and 1..{MAX_CLUSTER} splits, "
+                                 f"got {self.device.arch} and {config.num_splits} splits")
+            variant = replace(variant, cluster=True)
+            split, combine = load_variant(variant, self.device)
         if not 1 <= config.num_splits <= MAX_SPLITS:
             raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got "
                              f"{config.num_splits}")
@@ -112,10 +124,12 @@ class DecodePlan:
         p.min_split_tokens = config.min_split_tokens
         p.fused_merge = int(config.fused_merge)
         grid = (self.num_kv_heads, config.num_splits, batch)
-        self._split = split.prepare(
-            LaunchConfig(grid, variant.threads, variant.dynamic_shared_bytes), p)
+        self._split = split.prepare(LaunchConfig(
+            grid, variant.threads, variant.dynamic_shared_bytes,
+            cluster=(1, config.num_splits, 1) if config.cluster else None,
+            programmatic=config.programmatic and hopper), p)
         self._combine = None
-        if config.num_splits > 1 and not config.fused_merge:
+        if config.num_splits > 1 and not config.fused_merge and not config.cluster:
             scratch = (MAX_SPLITS + 2) * self.group_size * 4  # decode_combine's merge weights
             self._combine = combine.prepare(
                 LaunchConfig((self.num_kv_heads, batch), 128, scratch), p)
@@ -124,7 +138,9 @@ class DecodePlan:
             "batch": batch, "grid": grid, "block": variant.threads,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
             "tile_tokens": 16, "num_warps": warps, "stages": variant.stages,
-            "fused_merge": config.fused_merge, "launches": 1 + (self._combine is not None),
+            "fused_merge": config.fused_merge, "cluster": config.cluster,
+            "programmatic": config.programmatic and hopper,
+            "launches": 1 + (self._combine is not None),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,
             "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,

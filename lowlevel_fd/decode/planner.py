@@ -10,7 +10,9 @@ The heuristic, in order:
    splits cost more in merging than they save) and never exceed ``max_splits``.
 4. Each sequence's split length is recomputed on the device from its live length and the
    planned split count, so ragged and growing lengths stay balanced without re-planning.
-5. The merge of the splits runs in the last CTA to finish (one launch), unless told otherwise.
+5. The splits merge inside a thread-block cluster through distributed shared memory on sm_90
+   (at most 16 splits); before sm_90, in the last CTA to finish (one launch), unless told
+   otherwise.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 MAX_SPLITS = 128
+MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class TileConfig:
     min_split_tokens: int = 64
     fused_merge: bool = True
     stages: int = 0  # tiles in flight per warp; 0 picks the head_dim's default
+    cluster: bool = False  # merge the splits inside a thread-block cluster (sm_90, <= 16)
+    programmatic: bool = True  # programmatic dependent launch (sm_90; ignored before)
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,10 @@ def default_min_split_tokens(num_warps: int) -> int:
 
 def choose(work: Workload, *, num_warps: int = 4, wave_fill: float = 0.8,
            min_split_tokens: int | None = None, fused_merge: bool = True,
-           stages: int = 0) -> TileConfig:
-    """The split count and tile settings for a workload (see the module docstring)."""
+           stages: int = 0, clusters: bool = False) -> TileConfig:
+    """The split count and tile settings for a workload (see the module docstring). With
+    ``clusters`` (sm_90), at most MAX_CLUSTER splits merge through distributed shared memory,
+    which saves the global round trips of the last-CTA merge."""
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     pairs = work.batch * work.num_kv_heads
     wave = work.sm_count * max(work.ctas_per_sm, 1)
@@ -58,8 +65,12 @@ def choose(work: Workload, *, num_warps: int = 4, wave_fill: float = 0.8,
         wanted = -(-wave // pairs)
         by_length = -(-work.max_len // min_tokens)
         splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    cluster = clusters and splits > 1
+    if cluster:
+        splits = min(splits, MAX_CLUSTER)
     return TileConfig(num_warps=num_warps, num_splits=splits, min_split_tokens=min_tokens,
-                      fused_merge=fused_merge, stages=stages)
+                      fused_merge=fused_merge, stages=stages, cluster=cluster,
+                      programmatic=clusters)
 
 
 def workspace_pairs_bound(max_batch: int, num_kv_heads: int, sm_count: int,

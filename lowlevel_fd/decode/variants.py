@@ -36,6 +36,7 @@ class DecodeVariant:
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
     num_warps: int = 4
     stages: int = 0  # 0: default_stages(head_dim)
+    cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -51,7 +52,8 @@ class DecodeVariant:
     def split_kernel(self) -> str:
         scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
-                f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}>")
+                f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}, "
+                f"{'true' if self.cluster else 'false'}>")
 
     @property
     def combine_kernel(self) -> str:
@@ -66,7 +68,9 @@ class DecodeVariant:
     def dynamic_shared_bytes(self) -> int:
         """The warps' pipelines, later reused for their partial outputs (fp32)."""
         pipelines = self.num_warps * self.stages * self.stage_bytes
-        return max(pipelines, self.num_warps * self.group_size * self.head_dim * 4)
+        outputs = self.group_size * self.head_dim
+        merge = (self.num_warps * outputs + outputs + self.group_size) * 4  # + cluster partial
+        return max(pipelines, merge)
 
     def compile(self, arch: str) -> CompiledProgram:
         return compile_cached(SOURCE, CompileOptions(arch=arch),
@@ -80,3 +84,4 @@ def shipped_variants(num_warps: tuple[int, ...] = (4,)) -> Iterator[DecodeVarian
         for mode in SCALE_MODES:
             for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
                 yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps)
+                yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps, cluster=True)

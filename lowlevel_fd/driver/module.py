@@ -57,11 +57,17 @@ class ArgPack:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Grid and block shapes (x, y, z) and dynamic shared memory in bytes."""
+    """Grid and block shapes (x, y, z), dynamic shared memory in bytes, and two sm_90 launch
+    attributes: ``cluster`` (thread-block cluster shape; the grid must be a multiple of it) and
+    ``programmatic`` (programmatic dependent launch: the kernel may start while the previous
+    kernel on the stream finishes; it must wait with griddepcontrol.wait before reading that
+    kernel's results)."""
 
     grid: tuple[int, int, int] | int
     block: tuple[int, int, int] | int
     shared_mem: int = 0
+    cluster: tuple[int, int, int] | None = None
+    programmatic: bool = False
 
     def dims(self) -> tuple[int, ...]:
         """(gx, gy, gz, bx, by, bz); shorter tuples are padded with 1."""
@@ -103,6 +109,12 @@ class Kernel:
             self.handle,
             raw.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
 
+    def allow_large_clusters(self) -> None:
+        """Permit clusters of up to 16 CTAs (8 is the portable limit)."""
+        cu.cuFuncSetAttribute(
+            self.handle,
+            raw.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
     def occupancy(self, block_threads: int, dynamic_shared: int = 0) -> int:
         """Resident blocks per SM for this block size and dynamic shared memory."""
         return int(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -115,18 +127,47 @@ class Kernel:
         return f"Kernel({self.name!r})"
 
 
+def _extended_config(config: LaunchConfig, dims: tuple[int, ...]) -> Any:
+    """A CUlaunchConfig with the cluster / programmatic attributes, built once per launch."""
+    attributes = []
+    if config.cluster is not None:
+        cluster = raw.CUlaunchAttribute()
+        cluster.id = raw.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = (
+            config.cluster)
+        attributes.append(cluster)
+    if config.programmatic:
+        pdl = raw.CUlaunchAttribute()
+        pdl.id = raw.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl.value.programmaticStreamSerializationAllowed = 1
+        attributes.append(pdl)
+    extended = raw.CUlaunchConfig()
+    (extended.gridDimX, extended.gridDimY, extended.gridDimZ, extended.blockDimX,
+     extended.blockDimY, extended.blockDimZ) = dims
+    extended.sharedMemBytes = config.shared_mem
+    extended.attrs = attributes
+    extended.numAttrs = len(attributes)
+    return extended
+
+
 class PreparedLaunch:
     """A kernel, its launch shape and a packed argument block: ``launch(stream)`` is one call."""
 
-    __slots__ = ("kernel", "config", "args", "_dims")
+    __slots__ = ("kernel", "config", "args", "_dims", "_extended")
 
     def __init__(self, kernel: Kernel, config: LaunchConfig, args: ArgPack) -> None:
         self.kernel, self.config, self.args = kernel, config, args
         self._dims = config.dims()
+        self._extended = (_extended_config(config, self._dims)
+                          if config.cluster is not None or config.programmatic else None)
 
     def launch(self, stream: StreamLike) -> None:
-        cu.cuLaunchKernel(self.kernel.handle, *self._dims, self.config.shared_mem,
-                          stream_handle(stream), self.args.address, 0)
+        if self._extended is None:
+            cu.cuLaunchKernel(self.kernel.handle, *self._dims, self.config.shared_mem,
+                              stream_handle(stream), self.args.address, 0)
+        else:
+            self._extended.hStream = stream_handle(stream)
+            cu.cuLaunchKernelEx(self._extended, self.kernel.handle, self.args.address, 0)
 
 
 def launch(stream: StreamLike, config: LaunchConfig, kernel: Kernel, *args: Any) -> None:
