@@ -55,7 +55,8 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
         d = plan.describe()
         print(f"B={batch:4d} S={length:6d} L={num_layers:2d} warps={d['num_warps']} "
               f"splits={d['num_splits']:3d} min={d['min_split_tokens']:4d} "
-              f"stages={d['stages']} fused={int(d['fused_merge'])} occ={d['ctas_per_sm']} "
+              f"stages={d['stages']} fused={int(d['fused_merge'])} cl={int(d['cluster'])} "
+              f"pdl={int(d['programmatic'])} occ={d['ctas_per_sm']} "
               f"regs={d['registers']}  {med:8.2f} us  "
               f"{kv / med / 1e3:7.0f} GB/s", flush=True)
         graph.close()
@@ -63,14 +64,15 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
 
 
 def parse_configs(text: str) -> list[TileConfig | None]:
-    """"w,splits,min,stages,fused;..." -> TileConfigs ("auto" for the planner's choice)."""
+    """"w,splits,min,stages,fused[,cluster[,pdl]];..." -> TileConfigs ("auto": the planner)."""
     configs: list[TileConfig | None] = []
     for item in text.split(";"):
         if item == "auto":
             configs.append(None)
             continue
-        w, sp, mn, st, fu = (int(x) for x in item.split(","))
-        configs.append(TileConfig(w, sp, mn, bool(fu), st))
+        w, sp, mn, st, fu, *flags = (int(x) for x in item.split(","))
+        cluster, programmatic = (flags + [0, 1])[:2] if flags else (0, 1)
+        configs.append(TileConfig(w, sp, mn, bool(fu), st, bool(cluster), bool(programmatic)))
     return configs
 
 
