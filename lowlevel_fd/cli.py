@@ -33,9 +33,15 @@ class KernelFamily:
     kernels: Callable[[Any], Sequence[str]]
 
 
+def _append_variants(num_warps: tuple[int, ...]) -> Iterable[Any]:
+    from .append import shipped_variants as append_variants  # only `compile` needs it
+    return append_variants(num_warps)
+
+
 # Everything `compile` builds; a new kernel source adds its family here.
 FAMILIES: list[KernelFamily] = [
     KernelFamily("decode", shipped_variants, lambda v: (v.split_kernel, v.combine_kernel)),
+    KernelFamily("append", _append_variants, lambda v: v.kernel_names),
 ]
 
 
@@ -164,12 +170,8 @@ def bench(argv: list[str]) -> int:
     """Run ``tools/bench.py``'s ``main(argv)``; it lives in the source checkout, not the wheel."""
     if not BENCH_SCRIPT.is_file():
         print(f"bench: {BENCH_SCRIPT} not found (the benchmark lives in the source checkout, "
-              "not in the installed package)",
-              file=sys.stderr)
+              "not in the installed package)", file=sys.stderr)
         return 2
-    root = str(BENCH_SCRIPT.parents[1])
-    if root not in sys.path:  # so the script can import its sibling tools
-        sys.path.insert(0, root)
     spec = importlib.util.spec_from_file_location("lowlevel_fd_bench", BENCH_SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -29,12 +29,12 @@ from benchlib.session import Iterations, iterations, progress, run_metadata  # n
 from benchlib.stats import summarize  # noqa: E402
 from benchlib.workloads import (DEFAULT_SHAPES, Workload, add_workload_arguments,  # noqa: E402
                                 layer_count, workloads_from_args)
-from lowlevel_fd.decode.planner import MAX_SPLITS, TileConfig  # noqa: E402
+from lowlevel_fd.decode.planner import MAX_CLUSTER, MAX_SPLITS, TileConfig  # noqa: E402
 
 TOOL = "tools/tune.py"
 # The issue's sweep shapes (the layout x scale-mode variants share B=8, S=4096's schedule).
 TUNE_SWEEP = [Workload(b, s) for b, s in DEFAULT_SHAPES] + [Workload(32, 4096, 16, 1)]
-MIN_TOKENS_PER_WARP = (16, 32, 64)
+MIN_TOKENS_PER_WARP = (16, 32)
 CONFIRM_ROUNDS = 3
 TARGET_RATIO = 1.05
 
@@ -50,21 +50,30 @@ def split_candidates(auto_splits: int, max_splits: int = MAX_SPLITS) -> list[int
 def candidate_configs(auto: TileConfig, warps: tuple[int, ...] = (2, 4, 8),
                       stages: tuple[int, ...] | None = None) -> list[TileConfig]:
     """The sweep for one workload, without duplicates, the planner's choice included. With a
-    single split, min_split_tokens and the merge have no effect, so one config stands in."""
+    single split, min_split_tokens and the merge have no effect, so one config stands in.
+    Splits merge through a cluster (sm_90, at most MAX_CLUSTER) or the last CTA; the separate
+    combine kernel is tried once per warp count (it never won a probe)."""
     stage_values = stages or (auto.stages,)
     configs = [auto]
+    hopper = auto.programmatic  # the planner enables both features together on sm_90
     for num_warps, stage in ((w, s) for w in warps for s in stage_values):
         for splits in split_candidates(auto.num_splits):
             if splits == 1:
                 configs.append(TileConfig(num_warps=num_warps, num_splits=1,
                                           min_split_tokens=32 * num_warps, fused_merge=True,
-                                          stages=stage))
+                                          stages=stage, programmatic=hopper))
                 continue
             for per_warp in MIN_TOKENS_PER_WARP:
-                for fused in (True, False):
+                merges = [dict(fused_merge=True)]
+                if hopper and splits <= MAX_CLUSTER:
+                    merges.append(dict(fused_merge=True, cluster=True))
+                for merge in merges:
                     configs.append(TileConfig(num_warps=num_warps, num_splits=splits,
                                               min_split_tokens=per_warp * num_warps,
-                                              fused_merge=fused, stages=stage))
+                                              stages=stage, programmatic=hopper, **merge))
+        configs.append(TileConfig(num_warps=num_warps, num_splits=max(2, auto.num_splits),
+                                  min_split_tokens=16 * num_warps, fused_merge=False,
+                                  stages=stage, programmatic=hopper))
     return list(dict.fromkeys(configs))
 
 
@@ -80,8 +89,9 @@ def parse_ints(flag: str, text: str, allowed: tuple[int, ...] | None = None
 
 
 def config_label(config: TileConfig) -> str:
-    return (f"w{config.num_warps} s{config.num_splits} m{config.min_split_tokens} "
-            f"{'fused' if config.fused_merge else 'combine'} st{config.stages}")
+    merge = "cluster" if config.cluster else "fused" if config.fused_merge else "combine"
+    return (f"w{config.num_warps} s{config.num_splits} m{config.min_split_tokens} {merge} "
+            f"st{config.stages}{' pdl' if config.programmatic else ''}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,7 +90,7 @@ class DecodePlan:
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         batch, longest = int(lengths.size), int(lengths.max())
-        warps = config.num_warps if config else 4
+        warps = config.num_warps if config else 8
         hopper = self.device.compute_capability >= (9, 0)
         variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
                                 self.scale_dtype, warps, config.stages if config else 0)

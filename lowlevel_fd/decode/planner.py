@@ -3,11 +3,11 @@
 The heuristic, in order:
 1. One CTA serves one (sequence, kv head) pair and a contiguous range of its tokens. With
    ``B * Hkv`` pairs, a wave of the GPU holds ``sm_count * ctas_per_sm`` CTAs.
-2. If the pairs alone fill ``wave_fill`` of a wave, every sequence gets one split: splitting
-   adds a merge and partial traffic and buys no parallelism.
-3. Otherwise split the longest sequence so that the CTAs fill one wave, but never give a split
-   fewer than ``min_split_tokens`` tokens (each warp needs whole 16-token tiles to stream; tiny
-   splits cost more in merging than they save) and never exceed ``max_splits``.
+2. If the pairs alone give every SM a CTA, every sequence gets one split: splitting adds a
+   merge and partial traffic and buys no parallelism.
+3. Otherwise split the longest sequence so that there is about one CTA per SM (a power of two),
+   but never give a split fewer than ``min_split_tokens`` tokens (each warp needs whole 16-token
+   tiles to stream) and never exceed MAX_SPLITS.
 4. Each sequence's split length is recomputed on the device from its live length and the
    planned split count, so ragged and growing lengths stay balanced without re-planning.
 5. The splits merge inside a thread-block cluster through distributed shared memory on sm_90
@@ -47,22 +47,22 @@ class Workload:
 
 
 def default_min_split_tokens(num_warps: int) -> int:
-    """Two 16-token tiles per warp: enough work to amortise the query load and the merge."""
-    return 32 * num_warps
+    """One 16-token tile per warp: splits shorter than that leave warps idle."""
+    return 16 * num_warps
 
 
-def choose(work: Workload, *, num_warps: int = 4, wave_fill: float = 0.8,
-           min_split_tokens: int | None = None, fused_merge: bool = True,
-           stages: int = 0, clusters: bool = False) -> TileConfig:
+def choose(work: Workload, *, num_warps: int = 8, min_split_tokens: int | None = None,
+           fused_merge: bool = True, stages: int = 0, clusters: bool = False) -> TileConfig:
     """The split count and tile settings for a workload (see the module docstring). With
     ``clusters`` (sm_90), at most MAX_CLUSTER splits merge through distributed shared memory,
     which saves the global round trips of the last-CTA merge."""
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     pairs = work.batch * work.num_kv_heads
-    wave = work.sm_count * max(work.ctas_per_sm, 1)
     splits = 1
-    if pairs < wave_fill * wave and work.max_len > min_tokens:
-        wanted = -(-wave // pairs)
+    if pairs < work.sm_count and work.max_len > min_tokens:
+        # About one CTA per SM, in powers of two (measured: more splits cost more in merging
+        # than they gain in parallelism, tools/PERF_NOTES.md).
+        wanted = 1 << max(0, (work.sm_count // pairs).bit_length() - 1)
         by_length = -(-work.max_len // min_tokens)
         splits = max(1, min(wanted, by_length, MAX_SPLITS))
     cluster = clusters and splits > 1

@@ -17,8 +17,9 @@ WARP_COUNTS = (2, 4, 8)
 
 
 def default_stages(head_dim: int) -> int:
-    """Tiles in flight per warp: 4 KB stages at head_dim 128 keep ~48 KB per CTA in flight."""
-    return {64: 6, 128: 4, 256: 3}[head_dim]
+    """Tiles in flight per warp. Two (one loading while one is consumed) measured best at
+    head_dim 128: deeper pipelines cost occupancy and did not stream faster (PERF_NOTES.md)."""
+    return {64: 3, 128: 2, 256: 2}[head_dim]
 _MODE_ID = {"tensor": 0, "head": 1, "token": 2}
 _CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16", "float32": "float"}
 # Per-token scales are loaded by value: fp16 ones as raw 16-bit words (the f16 tag is empty).

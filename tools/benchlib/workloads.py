@@ -244,22 +244,27 @@ def workloads_from_args(args: argparse.Namespace,
 
 
 def parse_config(text: str):
-    """'num_warps,num_splits,min_split_tokens,fused[,stages]' -> TileConfig (fused: 1/0/
-    true/false; stages 0 = the head_dim's default)."""
+    """'num_warps,num_splits,min_split_tokens,fused[,stages[,cluster[,pdl]]]' -> TileConfig
+    (booleans 1/0/true/false; stages 0 = the head_dim's default)."""
     from lowlevel_fd.decode.planner import MAX_SPLITS, TileConfig
+    flags = {"1": True, "true": True, "0": False, "false": False}
     parts = [p.strip().lower() for p in text.split(",")]
     try:
-        if len(parts) not in (4, 5):
+        if not 4 <= len(parts) <= 7:
             raise ValueError
         warps, splits, min_tokens = (int(p) for p in parts[:3])
-        fused = {"1": True, "true": True, "0": False, "false": False}[parts[3]]
-        extra = {"stages": int(parts[4])} if len(parts) == 5 else {}
+        fused = flags[parts[3]]
+        extra: dict = {"stages": int(parts[4])} if len(parts) >= 5 else {}
+        if len(parts) >= 6:
+            extra["cluster"] = flags[parts[5]]
+        if len(parts) == 7:
+            extra["programmatic"] = flags[parts[6]]
     except (ValueError, KeyError):
         raise ValueError(f"--config: expected 'num_warps,num_splits,min_split_tokens,fused"
-                         f"[,stages]' (e.g. '4,16,128,1'), got {text!r}") from None
-    if warps not in (2, 4, 8) or not 1 <= splits <= MAX_SPLITS or min_tokens < 16 \
+                         f"[,stages[,cluster[,pdl]]]' (e.g. '4,16,128,1'), got {text!r}") from None
+    if warps not in (2, 4, 8, 16) or not 1 <= splits <= MAX_SPLITS or min_tokens < 16 \
             or min_tokens % 16 or extra.get("stages", 0) < 0:
-        raise ValueError(f"--config: need num_warps in (2, 4, 8), 1 <= num_splits <= "
+        raise ValueError(f"--config: need num_warps in (2, 4, 8, 16), 1 <= num_splits <= "
                          f"{MAX_SPLITS}, min_split_tokens a positive multiple of 16, "
                          f"stages >= 0; got {text!r}")
     return TileConfig(num_warps=warps, num_splits=splits, min_split_tokens=min_tokens,
