@@ -6,11 +6,11 @@ How the lengths advance exactly once per step. The append kernel writes the new 
 must write at the step's position L and attend L + 1 tokens, yet only one launch may bump the
 lengths. So the step issues:
 
-    copy    positions <- seq_lens                     (one 4*B-byte copy; only when L > 1)
-    layer 0 append at seq_lens, advance=True          (seq_lens: L -> L + 1)
-            attention over seq_lens                   (L + 1 tokens: sees the new token)
-    layer i append at positions, advance=False        (positions is still L)
-            attention over seq_lens                   (L + 1)
+    copy      positions <- seq_lens                   (4*B bytes; skipped for one layer)
+    layer 0   append at seq_lens, advance=True        (seq_lens: L -> L + 1)
+              attention over seq_lens                 (L + 1 tokens: sees the new token)
+    layer i   append at positions, advance=False      (positions is still L)
+    (i >= 1)  attention over seq_lens                 (L + 1)
 
 ``positions`` is a device array the step owns. Re-copying it every step (instead of bumping a
 second counter) keeps ``seq_lens`` the single source of truth: the caller may rewrite it between
