@@ -230,7 +230,8 @@ def test_tune_candidates_cover_the_issues_grid_and_the_planner_pick():
     assert configs[0] == auto and len(configs) == len(set(configs))
     assert {c.num_warps for c in configs} == {2, 4, 8}
     assert {1, 2, 4, 8, 12, 16, 32, 64, 128} <= {c.num_splits for c in configs}
-    assert {c.min_split_tokens // c.num_warps for c in configs if c.num_splits > 1} == {
-        16, 32, 64}
+    assert {c.min_split_tokens // c.num_warps for c in configs if c.num_splits > 1} == {16, 32}
     assert {c.fused_merge for c in configs} == {True, False}
+    assert any(c.cluster for c in configs) and all(c.num_splits <= 16 for c in configs
+                                                   if c.cluster)
     assert sum(c.num_splits == 1 for c in configs) == 3  # one per warp count

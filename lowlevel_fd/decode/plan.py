@@ -138,7 +138,7 @@ class DecodePlan:
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
-            "tile_tokens": 16, "num_warps": warps, "stages": variant.stages,
+            "tile_tokens": 16, "num_warps": variant.num_warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
             "programmatic": config.programmatic and hopper, "bulk": variant.bulk,
             "launches": 1 + (self._combine is not None),
