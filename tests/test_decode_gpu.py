@@ -55,8 +55,8 @@ def test_ragged_batch_with_empty_rows(rng, stream, kv_layout):
     TileConfig(num_warps=8, num_splits=16, min_split_tokens=16, cluster=True),
     TileConfig(num_warps=2, num_splits=5, min_split_tokens=32, cluster=True, programmatic=False),
     TileConfig(num_warps=4, num_splits=1, cluster=True),
-    TileConfig(num_warps=8, num_splits=8, cluster=True, bulk=False),
-    TileConfig(num_warps=4, num_splits=3, stages=4, bulk=False),
+    TileConfig(num_warps=8, num_splits=8, cluster=True),
+    TileConfig(num_warps=4, num_splits=3, stages=4),
     TileConfig(num_warps=8, num_splits=2, stages=3, fused_merge=False),
 ])
 def test_forced_tile_configs(rng, stream, config):

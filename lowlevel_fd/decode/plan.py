@@ -90,23 +90,22 @@ class DecodePlan:
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         batch, longest = int(lengths.size), int(lengths.max())
+        warps = config.num_warps if config else 8
         hopper = self.device.compute_capability >= (9, 0)
         variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
-                                self.scale_dtype, config.num_warps if config else 8,
-                                config.stages if config else 0,
-                                bulk=hopper and (config.bulk if config else True))
-        if config is None:
-            split, _ = load_variant(variant, self.device)
-            ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
-            config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
-                                     ctas_per_sm), num_warps=variant.num_warps,
-                            stages=variant.stages, clusters=hopper)
-        if config.cluster and (not hopper or not 1 <= config.num_splits <= MAX_CLUSTER):
-            raise ValueError(f"config.cluster: needs sm_90+ and 1..{MAX_CLUSTER} splits, "
-                             f"got {self.device.arch} and {config.num_splits} splits")
-        variant = replace(variant, cluster=config.cluster)
+                                self.scale_dtype, warps, config.stages if config else 0)
         split, combine = load_variant(variant, self.device)
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
+        if config is None:
+            config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
+                                     ctas_per_sm), num_warps=warps, stages=variant.stages,
+                            clusters=hopper)
+        if config.cluster:
+            if not hopper or not 1 <= config.num_splits <= MAX_CLUSTER:
+                raise ValueError(f"config.cluster: needs sm_90+ and 1..{MAX_CLUSTER} splits, "
+                                 f"got {self.device.arch} and {config.num_splits} splits")
+            variant = replace(variant, cluster=True)
+            split, combine = load_variant(variant, self.device)
         if not 1 <= config.num_splits <= MAX_SPLITS:
             raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got "
                              f"{config.num_splits}")
@@ -138,9 +137,9 @@ class DecodePlan:
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
-            "tile_tokens": 16, "num_warps": variant.num_warps, "stages": variant.stages,
+            "tile_tokens": 16, "num_warps": warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
-            "programmatic": config.programmatic and hopper, "bulk": variant.bulk,
+            "programmatic": config.programmatic and hopper,
             "launches": 1 + (self._combine is not None),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,

@@ -35,7 +35,6 @@ class TileConfig:
     stages: int = 0  # tiles in flight per warp; 0 picks the head_dim's default
     cluster: bool = False  # merge the splits inside a thread-block cluster (sm_90, <= 16)
     programmatic: bool = True  # programmatic dependent launch (sm_90; ignored before)
-    bulk: bool = True  # the copy engine fills the pipeline (sm_90; ignored before)
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ def choose(work: Workload, *, num_warps: int = 8, min_split_tokens: int | None =
         splits = min(splits, MAX_CLUSTER)
     return TileConfig(num_warps=num_warps, num_splits=splits, min_split_tokens=min_tokens,
                       fused_merge=fused_merge, stages=stages, cluster=cluster,
-                      programmatic=clusters, bulk=clusters)
+                      programmatic=clusters)
 
 
 def workspace_pairs_bound(max_batch: int, num_kv_heads: int, sm_count: int,

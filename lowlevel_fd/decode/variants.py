@@ -38,7 +38,6 @@ class DecodeVariant:
     num_warps: int = 4
     stages: int = 0  # 0: default_stages(head_dim)
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
-    bulk: bool = False  # the copy engine (cp.async.bulk) fills the pipeline (sm_90+)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -46,21 +45,16 @@ class DecodeVariant:
 
     @property
     def stage_bytes(self) -> int:
-        """One 16-token tile of K and V plus 16 K and 16 V scales (Stage in
-        cu/decode_pipeline.cuh); bulk copies use padded row pitches."""
+        """One 16-token tile of K and V plus 16 K and 16 V scales (cu/decode_pipeline.cuh)."""
         scale_size = 2 if self.scale_mode == "token" and self.scale_dtype == "float16" else 4
-        k_pitch = v_pitch = self.head_dim
-        if self.bulk:
-            k_pitch = self.head_dim + 64 if self.head_dim >= 128 else 64
-            v_pitch = self.head_dim + 16
-        return 16 * (k_pitch + v_pitch) + 32 * scale_size
+        return 32 * self.head_dim + 32 * scale_size
 
     @property
     def split_kernel(self) -> str:
         scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
                 f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}, "
-                f"{'true' if self.cluster else 'false'}, {'true' if self.bulk else 'false'}>")
+                f"{'true' if self.cluster else 'false'}>")
 
     @property
     def combine_kernel(self) -> str:
@@ -84,13 +78,11 @@ class DecodeVariant:
                               (self.split_kernel, self.combine_kernel))
 
 
-def shipped_variants(num_warps: tuple[int, ...] = (8,)) -> Iterator[DecodeVariant]:
+def shipped_variants(num_warps: tuple[int, ...] = (4,)) -> Iterator[DecodeVariant]:
     """Every variant the plan can pick from (the CI compiles all of them)."""
     for dim, group, q_dtype, warps in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES,
                                                         num_warps):
         for mode in SCALE_MODES:
             for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
-                # sm_80 runs the first; the sm_90 planner picks bulk copies, clustered or not.
-                for cluster, bulk in ((False, False), (False, True), (True, True)):
-                    yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps,
-                                        cluster=cluster, bulk=bulk)
+                yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps)
+                yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps, cluster=True)
