@@ -13,8 +13,7 @@ from ..driver.stream import StreamLike
 from . import validate as check
 from .bind import bind_arguments
 from .params import DecodeParams
-from .planner import (MAX_CLUSTER, MAX_SPLITS, TileConfig, Workload, choose,
-                      workspace_pairs_bound)
+from .planner import MAX_CLUSTER, MAX_SPLITS, TileConfig, Workload, choose
 from .variants import GROUP_SIZES, HEAD_DIMS, DecodeVariant
 
 KV_LAYOUTS = ("bnsh", "bsnh")
@@ -112,7 +111,7 @@ class DecodePlan:
         if config.min_split_tokens < 16 or config.min_split_tokens % 16:
             raise ValueError(f"config.min_split_tokens: expected a positive multiple of 16, "
                              f"got {config.min_split_tokens}")
-        self._ensure_workspace(batch, config.num_splits)
+        self._ensure_workspace(batch, config.num_splits, config.cluster)
         p = self._params
         p.partial_out = self._workspace["partial_out"].ptr
         p.partial_lse = self._workspace["partial_lse"].ptr
@@ -147,9 +146,9 @@ class DecodePlan:
         }
         return self
 
-    def _ensure_workspace(self, batch: int, num_splits: int) -> None:
-        pairs = max(batch * self.num_kv_heads * num_splits, workspace_pairs_bound(
-            self.max_batch, self.num_kv_heads, self.device.sm_count))
+    def _ensure_workspace(self, batch: int, num_splits: int, cluster: bool) -> None:
+        """Split partials for the global merge (none for a cluster merge); grows only."""
+        pairs = 1 if cluster or num_splits == 1 else batch * self.num_kv_heads * num_splits
         ws = self._workspace
         if "partial_lse" in ws and ws["partial_lse"].shape[0] >= pairs * self.group_size:
             return

@@ -1,18 +1,20 @@
 """Host-side scheduling of the decode kernel: how many splits, how many tokens each, which tile.
 
-The heuristic, in order:
-1. One CTA serves one (sequence, kv head) pair and a contiguous range of its tokens. With
-   ``B * Hkv`` pairs, a wave of the GPU holds ``sm_count * ctas_per_sm`` CTAs.
-2. If the pairs alone give every SM a CTA, every sequence gets one split: splitting adds a
-   merge and partial traffic and buys no parallelism.
-3. Otherwise split the longest sequence so that there is about one CTA per SM (a power of two),
-   but never give a split fewer than ``min_split_tokens`` tokens (each warp needs whole 16-token
-   tiles to stream) and never exceed MAX_SPLITS.
-4. Each sequence's split length is recomputed on the device from its live length and the
+The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
+1. One CTA serves one (sequence, kv head) pair and a contiguous range of its tokens; 8 warps
+   per CTA, two 16-token tiles in flight per warp.
+2. Few pairs (at most half the SMs): split each sequence so that the pairs x splits CTAs
+   cover the SMs, in powers of two. More CTAs than that cost more in merging than they gain.
+3. Many pairs: split into ~1024-token ranges (powers of two). Longer ranges leave a long tail
+   of the last wave; shorter ones spend more on the merge.
+4. Never more than MAX_PORTABLE_SPLITS splits (a portable thread-block cluster on sm_90:
+   16-CTA clusters measured slower), never a split shorter than ``min_split_tokens`` (every
+   warp needs whole 16-token tiles), and one split when the sequence is too short.
+5. Each sequence's split length is recomputed on the device from its live length and the
    planned split count, so ragged and growing lengths stay balanced without re-planning.
-5. The splits merge inside a thread-block cluster through distributed shared memory on sm_90
-   (at most 16 splits); before sm_90, in the last CTA to finish (one launch), unless told
-   otherwise.
+6. The splits merge inside a thread-block cluster through distributed shared memory on sm_90,
+   and the kernel uses programmatic dependent launch; before sm_90 the last CTA to finish
+   merges through global memory.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import numpy as np
 
 MAX_SPLITS = 128
 MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
+MAX_PORTABLE_SPLITS = 8  # what the planner picks at most (a portable cluster)
+SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU
 
 
 @dataclass(frozen=True)
@@ -51,34 +55,32 @@ def default_min_split_tokens(num_warps: int) -> int:
     return 16 * num_warps
 
 
+def _power_of_two_at_most(value: int) -> int:
+    return 1 << max(0, int(value).bit_length() - 1)
+
+
 def choose(work: Workload, *, num_warps: int = 8, min_split_tokens: int | None = None,
            fused_merge: bool = True, stages: int = 0, clusters: bool = False) -> TileConfig:
     """The split count and tile settings for a workload (see the module docstring). With
-    ``clusters`` (sm_90), at most MAX_CLUSTER splits merge through distributed shared memory,
-    which saves the global round trips of the last-CTA merge."""
+    ``clusters`` (sm_90) the splits merge through distributed shared memory."""
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     pairs = work.batch * work.num_kv_heads
-    splits = 1
-    if pairs < work.sm_count and work.max_len > min_tokens:
-        # About one CTA per SM, in powers of two (measured: more splits cost more in merging
-        # than they gain in parallelism, tools/PERF_NOTES.md).
-        wanted = 1 << max(0, (work.sm_count // pairs).bit_length() - 1)
-        by_length = -(-work.max_len // min_tokens)
-        splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    if 2 * pairs <= work.sm_count:
+        wanted = _power_of_two_at_most(work.sm_count // pairs)
+    else:
+        wanted = _power_of_two_at_most(max(1, work.max_len // SPLIT_TOKENS))
+    by_length = max(1, work.max_len // min_tokens)
+    splits = max(1, min(wanted, by_length, MAX_PORTABLE_SPLITS))
     cluster = clusters and splits > 1
-    if cluster:
-        splits = min(splits, MAX_CLUSTER)
     return TileConfig(num_warps=num_warps, num_splits=splits, min_split_tokens=min_tokens,
                       fused_merge=fused_merge, stages=stages, cluster=cluster,
                       programmatic=clusters)
 
 
-def workspace_pairs_bound(max_batch: int, num_kv_heads: int, sm_count: int,
-                          ctas_per_sm_max: int = 8) -> int:
-    """An upper bound on ``B * Hkv * splits`` over every plan ``choose`` can make with
-    splits > 1, so the workspace can be sized once: splitting only happens below one wave."""
-    wave = sm_count * ctas_per_sm_max
-    return min(max_batch * num_kv_heads * MAX_SPLITS, 2 * wave + max_batch * num_kv_heads)
+def workspace_pairs_bound(max_batch: int, num_kv_heads: int) -> int:
+    """An upper bound on ``B * Hkv * splits`` over every plan ``choose`` can make: the size of
+    the global split-merge workspace that serves all of them."""
+    return max_batch * num_kv_heads * MAX_PORTABLE_SPLITS
 
 
 def lengths_summary(seq_lens: np.ndarray) -> tuple[int, int]:
