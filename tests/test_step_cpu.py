@@ -1,0 +1,256 @@
+"""Specification of DecodeStep's checks without a GPU: the constructor, plan()'s host lengths,
+and the per-layer buffers that capture() and eager() validate before anything is captured or
+launched. Every error names the layer and the argument."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lowlevel_fd.driver import DeviceArray
+from lowlevel_fd.step import DecodeStep, LayerBuffers
+
+
+class StandInDevice:
+    """Enough of a Device for plans that never reach the GPU."""
+    ordinal, arch, sm_count = 0, "sm_90", 132
+
+
+DEV = StandInDevice()
+LAYERS, B, HQ, HKV, D, CAPACITY = 3, 2, 8, 2, 128, 64
+HOST_LENGTHS = np.array([10, 40])
+_next = [1 << 24]
+
+
+def fake(shape, dtype, *, strides=None, device=DEV) -> DeviceArray:
+    _next[0] += 1 << 20  # distinct, 16-byte aligned addresses
+    return DeviceArray(_next[0], shape, dtype, device, strides, owner=object())
+
+
+def make_step(**overrides) -> DecodeStep:
+    options = dict(max_batch=4, max_seq_len=CAPACITY, device=DEV) | overrides
+    return DecodeStep(options.pop("num_layers", LAYERS), options.pop("num_q_heads", HQ),
+                      options.pop("num_kv_heads", HKV), options.pop("head_dim", D), **options)
+
+
+def planned(**overrides) -> DecodeStep:
+    """A step in the state plan(HOST_LENGTHS) leaves, minus the GPU work."""
+    step = make_step(**overrides)
+    step._host_lengths = HOST_LENGTHS.copy()
+    step.attention._batch, step.attention._planned_max = B, int(HOST_LENGTHS.max()) + 1
+    return step
+
+
+def layer(scale_mode="token", capacity=CAPACITY, **replace) -> dict:
+    scale = {"token": (B, HKV, capacity), "head": (HKV,), "tensor": (1,)}[scale_mode]
+    buffers = {"q": fake((B, HQ, D), "float16"), "k_new": fake((B, HKV, D), "float16"),
+               "v_new": fake((B, HKV, D), "float16"),
+               "k_cache": fake((B, HKV, capacity, D), "int8"),
+               "v_cache": fake((B, HKV, capacity, D), "int8"),
+               "k_scale": fake(scale, "float32"), "v_scale": fake(scale, "float32"),
+               "out": fake((B, HQ, D), "float16")}
+    return buffers | replace
+
+
+def layers(count=LAYERS, **replace_in_last) -> list:
+    return [layer() for _ in range(count - 1)] + [layer(**replace_in_last)]
+
+
+SEQ_LENS = fake((B,), "int32")
+
+
+# -- the constructor and plan() ----------------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_layers": 0}, r"num_layers: expected a positive int, got 0"),
+    ({"num_layers": 2.0}, r"num_layers: expected a positive int, got 2.0"),
+    ({"num_q_heads": 5}, r"num_q_heads: expected a positive multiple of num_kv_heads=2, got 5"),
+    ({"num_q_heads": 6}, r"group size \(num_q_heads // num_kv_heads\): .*got 3"),
+    ({"head_dim": 96}, r"head_dim: expected one of \[64, 128, 256\], got 96"),
+    ({"rope": "alibi"}, r"rope: expected one of \[None, 'neox', 'gptj'\], got 'alibi'"),
+    ({"scale_mode": "head", "scale_dtype": "float16"},
+     r"scale_dtype: expected one of \['float32'\], got 'float16'"),
+    ({"max_seq_len": 0}, r"max_batch/max_seq_len: expected >= 1"),
+])
+def test_constructor_rejects_unsupported_configurations(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_step(**overrides)
+
+
+def test_one_plan_of_each_kind_is_shared_by_the_layers():
+    step = make_step(rope="neox", scale_mode="token", scale_dtype="float16", dtype="bfloat16")
+    assert step.append.rope == "neox" and step.append.scale_dtype == "float16"
+    assert step.attention.q_dtype == step.append.dtype == "bfloat16"
+    assert step.attention.max_seq_len == CAPACITY and step.device is DEV
+
+
+@pytest.mark.parametrize("lengths, error, message", [
+    ([10, CAPACITY], ValueError, r"host_lengths: sequence 1 has length 64, leaving no room "
+                                 r"for the step's new token \(max_seq_len=64\)"),
+    ([1, 2, 3, 4, 5], ValueError, r"host_lengths: expected at most max_batch=4 sequences"),
+    ([-1], ValueError, r"host_lengths: expected lengths in \[0, max_seq_len=64\]"),
+    (np.array([1.5]), TypeError, r"host_lengths: expected integer lengths"),
+])
+def test_plan_checks_the_host_lengths_before_any_gpu_work(lengths, error, message):
+    with pytest.raises(error, match=message):
+        make_step().plan(lengths)
+
+
+# -- capture()/eager(): the buffers ------------------------------------------------------------
+def test_good_buffers_pass_as_mappings_or_layer_buffers():
+    given = layers()
+    given[1] = LayerBuffers(**given[1])
+    bound, lengths = planned().validate(given, SEQ_LENS)
+    assert all(isinstance(b, LayerBuffers) for b in bound) and len(bound) == LAYERS
+    assert bound[0].q is given[0]["q"] and lengths.ptr == SEQ_LENS.ptr
+
+
+def test_validation_needs_a_plan():
+    with pytest.raises(RuntimeError, match=r"call plan\(host_lengths\) first"):
+        make_step().validate(layers(), SEQ_LENS)
+
+
+BAD = {
+    "k_new dtype": ({"k_new": fake((B, HKV, D), "bfloat16")}, TypeError,
+                    r"layers\[2\]\.k_new: expected dtype float16, got bfloat16"),
+    "v_new heads": ({"v_new": fake((B, HQ, D), "float16")}, ValueError,
+                    r"layers\[2\]\.v_new: expected shape \[B, Hkv, D\]=\(2, 2, 128\)"),
+    "q batch": ({"q": fake((B + 1, HQ, D), "float16")}, ValueError,
+                r"layers\[2\]\.q: expected shape \[B, Hq, D\]=\(2, 8, 128\), got \(3, 8, 128\)"),
+    "cache dtype": ({"k_cache": fake((B, HKV, CAPACITY, D), "uint8")}, TypeError,
+                    r"layers\[2\]\.k_cache: expected dtype int8, got uint8"),
+    "cache layout": ({"v_cache": fake((B, CAPACITY, HKV, D), "int8")}, ValueError,
+                     r"layers\[2\]\.v_cache: expected the shape and strides of k_cache"),
+    "scale shape": ({"k_scale": fake((B, HKV, 2 * CAPACITY), "float32")}, ValueError,
+                    r"layers\[2\]\.k_scale: expected shape \[B, Hkv, S_max\]=\(2, 2, 64\)"),
+    "out dtype": ({"out": fake((B, HQ, D), "float32")}, TypeError,
+                  r"layers\[2\]\.out: expected dtype float16, got float32"),
+    "lse shape": ({"lse": fake((B, HKV), "float32")}, ValueError,
+                  r"layers\[2\]\.lse: expected shape \[B, Hq\]=\(2, 8\)"),
+    "cos_sin without rope": ({"cos_sin": fake((CAPACITY, D // 2, 2), "float32")}, ValueError,
+                             r"layers\[2\]\.cos_sin: the plan applies no RoPE"),
+    "closed": ({"out": DeviceArray(1 << 20, (B, HQ, D), "float16", DEV, owner=None)},
+               ValueError, r"layers\[2\]\.out: the array is closed"),
+    "host array": ({"q": np.zeros((B, HQ, D), np.float16)}, TypeError,
+                   r"layers\[2\]\.q: expected a DeviceArray or an object with "
+                   r"__cuda_array_interface__"),
+    "missing": ({"q": None}, TypeError, r"layers\[2\]\.q: expected a device array, got None"),
+}
+
+
+@pytest.mark.parametrize("replace, error, message", BAD.values(), ids=BAD.keys())
+def test_a_bad_buffer_names_its_layer(replace, error, message):
+    with pytest.raises(error, match=message):
+        planned().validate(layers(**replace), SEQ_LENS)
+
+
+def test_a_cache_too_short_for_the_new_token_is_refused_before_launch():
+    short = layer(capacity=40)  # sequence 1 holds 40 tokens: the new one would be the 41st
+    with pytest.raises(ValueError, match=r"layers\[0\]\.host_lengths: sequence 1 has length "
+                                         r"40, outside \[0, 39\] \(the new token must land "
+                                         r"below the cache capacity S_max=40\)"):
+        planned().validate([short, layer(), layer()], SEQ_LENS)
+
+
+def test_static_scales_follow_the_scale_mode():
+    step = planned(scale_mode="head")
+    step.validate([layer("head") for _ in range(LAYERS)], SEQ_LENS)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.k_scale: expected shape \[Hkv\]=\(2,\) "
+                                         r"for scale_mode='head', got \(1,\)"):
+        step.validate([layer("tensor")] + [layer("head")] * 2, SEQ_LENS)
+
+
+@pytest.mark.parametrize("given, error, message", [
+    (lambda: layers(LAYERS - 1), ValueError,
+     r"layers: expected 3 layers' buffers \(num_layers\), got 2"),
+    (lambda: layer(), TypeError, r"layers: expected a sequence of 3 LayerBuffers, got dict"),
+    (lambda: [layer(), layer(), ("q",)], TypeError,
+     r"layers\[2\]: expected LayerBuffers or a mapping, got tuple"),
+    (lambda: [layer(), layer(), {**layer(), "bias": None}], TypeError,
+     r"layers\[2\]: unknown buffers \['bias'\], missing \[\]"),
+    (lambda: [layer(), layer(), {"q": None}], TypeError,
+     r"layers\[2\]: unknown buffers \[\], missing \['k_new', 'v_new', 'k_cache'"),
+])
+def test_the_layer_list_has_one_set_of_buffers_per_layer(given, error, message):
+    with pytest.raises(error, match=message):
+        planned().validate(given(), SEQ_LENS)
+
+
+@pytest.mark.parametrize("seq_lens, error, message", [
+    (fake((B,), "int64"), TypeError, r"^seq_lens: expected dtype int32, got int64$"),
+    (fake((B + 1,), "int32"), ValueError, r"^seq_lens: expected shape \[B\]=\(2,\)"),
+    (None, TypeError, r"^seq_lens: expected a device array, got None$"),
+])
+def test_seq_lens_is_one_device_array_for_all_layers(seq_lens, error, message):
+    with pytest.raises(error, match=message):
+        planned().validate(layers(), seq_lens)
+
+
+@pytest.mark.parametrize("method", ["capture", "eager"])
+def test_capture_and_eager_validate_before_touching_the_stream(method):
+    # A stand-in stream the driver would reject: validation must fail first.
+    with pytest.raises(TypeError, match=r"layers\[2\]\.k_cache: expected dtype int8"):
+        getattr(planned(), method)(layers(k_cache=fake((B, HKV, CAPACITY, D), "float16")),
+                                   SEQ_LENS, stream=object())
+
+
+def test_describe_counts_two_launches_per_layer_and_one_copy_per_step():
+    step = planned()
+    step.attention._description = {"launches": 1}  # fused merge, as the planner picks
+    assert step.describe()["launches_per_layer"] == 2
+    assert step.describe()["nodes_per_step"] == 1 + 2 * LAYERS
+    single = make_step(num_layers=1)
+    single.attention._description = {"launches": 2}  # a separate combine kernel
+    assert single.describe()["nodes_per_step"] == 3  # one layer needs no position copy
+
+
+def test_a_closed_step_refuses_work():
+    step = planned()
+    step.close()
+    with pytest.raises(RuntimeError, match=r"DecodeStep is closed"):
+        step.validate(layers(), SEQ_LENS)
+
+
+# -- the launch sequence, simulated on the host ------------------------------------------------
+class Device32:
+    """Host stand-ins for the int32 length arrays the launches read and write, keyed by address;
+    the append writes at ``lengths[b]`` (skipping a full cache) and bumps it when advancing."""
+
+    def __init__(self, step, seq_lens, values, capacity):
+        self.memory = {seq_lens.ptr: np.array(values), step._arrays["positions"].ptr: None}
+        self.capacity, self.log = capacity, []
+
+    def copy(self, dst, src, stream=None):
+        self.memory[dst.ptr] = self.memory[src.ptr].copy()
+        self.log.append("copy")
+
+    def append(self, *args, advance, **kwargs):
+        lengths = self.memory[args[6].ptr]
+        fits = lengths < self.capacity
+        self.log.append(("append", tuple(np.where(fits, lengths, -1))))
+        if advance:
+            lengths[fits] += 1
+
+    def attention(self, *args, **kwargs):
+        self.log.append(("attention", tuple(self.memory[args[5].ptr])))
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.parametrize("start, capacity", [((10, 40), CAPACITY), ((10, 63), 64),
+                                             ((10, 64), 64)])
+def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
+        monkeypatch, num_layers, start, capacity):
+    step = planned(num_layers=num_layers)
+    step._arrays["positions"] = fake((4,), "int32")
+    sim = Device32(step, SEQ_LENS, start, capacity)
+    monkeypatch.setattr(DeviceArray, "copy_from", lambda dst, src, stream=None:
+                        sim.copy(dst, src, stream))
+    monkeypatch.setattr(step.append, "run", sim.append)
+    monkeypatch.setattr(step.attention, "run", sim.attention)
+    step._issue([LayerBuffers(**layer()) for _ in range(num_layers)], SEQ_LENS, stream=None)
+
+    L = np.array(start)
+    written = tuple(np.where(L < capacity, L, -1))  # -1: full, nothing written
+    after = tuple(np.minimum(L + 1, capacity))
+    expected = ["copy"] if num_layers > 1 else []
+    expected += [("append", written), ("attention", after)] * num_layers
+    assert sim.log == expected
+    assert tuple(sim.memory[SEQ_LENS.ptr]) == after  # once per step, however many layers
