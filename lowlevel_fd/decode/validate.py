@@ -6,7 +6,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..driver import Device, DeviceArray, as_device_array
+from ..driver import Device, DeviceArray, as_device_array, dtypes
+
+_DTYPES = {name: dtypes.as_dtype(name) for name in ("int8", "int32", "float16", "bfloat16",
+                                                     "float32", "uint16")}
 
 
 def device_array(name: str, obj: Any, device: Device) -> DeviceArray:
@@ -25,17 +28,24 @@ def device_array(name: str, obj: Any, device: Device) -> DeviceArray:
 
 
 def dtype(name: str, array: DeviceArray, allowed: Sequence[str]) -> None:
-    if array.dtype.name not in allowed:
-        raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {array.dtype.name}")
+    # Compares dtype objects, not names: numpy builds a dtype's name on every access (slow).
+    for candidate in allowed:
+        if array.dtype == _DTYPES[candidate]:
+            return
+    raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {array.dtype.name}")
 
 
 def shape(name: str, array: DeviceArray, expected: Sequence[Any], labels: str) -> None:
     """``expected`` holds ints, or None for "any"; ``labels`` names the axes, e.g. "[B, Hq, D]"."""
-    ok = len(array.shape) == len(expected) and all(
-        e is None or e == s for e, s in zip(expected, array.shape))
-    if not ok:
-        wanted = tuple("*" if e is None else e for e in expected)
-        raise ValueError(f"{name}: expected shape {labels}={wanted}, got {array.shape}")
+    actual = array.shape
+    if len(actual) == len(expected):
+        for want, got in zip(expected, actual):
+            if want is not None and want != got:
+                break
+        else:
+            return
+    wanted = tuple("*" if e is None else e for e in expected)
+    raise ValueError(f"{name}: expected shape {labels}={wanted}, got {actual}")
 
 
 def inner_contiguous(name: str, array: DeviceArray) -> None:

@@ -1,4 +1,5 @@
 """The driver layer: a thin typed wrapper over ``cuda.bindings.driver`` (no torch, no cupy)."""
+from . import dtypes
 from ._api import CudaError, cu
 from .device import Device, device_count, driver_version, gpu_available
 from .graph import Graph, capture, is_capturing
@@ -7,7 +8,7 @@ from .module import ArgPack, Kernel, LaunchConfig, Module, PreparedLaunch, launc
 from .stream import Event, Stream, stream_address, stream_handle
 
 __all__ = [
-    "Allocation", "ArgPack", "CudaError", "Device", "DeviceArray", "Event", "Graph", "Kernel",
+    "Allocation", "ArgPack", "dtypes", "CudaError", "Device", "DeviceArray", "Event", "Graph", "Kernel",
     "LaunchConfig", "Module", "PreparedLaunch", "Stream", "as_device_array", "capture", "cu",
     "device_count", "driver_version", "gpu_available", "is_capturing", "launch", "pinned_empty",
     "stream_address", "stream_handle",

@@ -49,9 +49,13 @@ class DeviceInfo:
 
 
 class Device:
-    """One GPU. ``Device(0)`` returns the same object every time and retains its primary context."""
+    """One GPU. ``Device(0)`` returns the same object every time; the first call retains the
+    primary context and makes it current on the calling thread (other threads: set_current)."""
 
     def __new__(cls, ordinal: int = 0) -> "Device":
+        known = _devices.get(ordinal)
+        if known is not None:  # hot path (every wrapped tensor): no lock, no driver call
+            return known
         with _lock:
             if ordinal in _devices:
                 return _devices[ordinal]
@@ -66,7 +70,7 @@ class Device:
             # which avoids ordering problems with buffers freed during interpreter shutdown.
             self.context = cu.cuDevicePrimaryCtxRetain(self.handle)
             _devices[ordinal] = self
-        self.set_current()
+            self.set_current()
         return self
 
     def _attribute(self, attr: str) -> int:

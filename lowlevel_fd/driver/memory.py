@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import weakref
 from typing import Any, Sequence
 
@@ -125,7 +126,7 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
@@ -315,29 +316,34 @@ def _from_interface(obj: Any, interface: dict) -> DeviceArray:
     return DeviceArray(ptr, shape, dtype, device, interface.get("strides"), owner=obj)
 
 
+_TORCH_DTYPES: dict[Any, np.dtype] = {}
+
+
 def _from_torch_like(obj: Any) -> DeviceArray:
-    """torch tensors whose dtype the array interface cannot express (bfloat16)."""
-    if not getattr(obj, "is_cuda", False):
-        raise TypeError(f"expected a CUDA tensor, got a tensor on {getattr(obj, 'device', '?')}")
-    dtype = dtypes.as_dtype(obj.dtype)
-    strides = tuple(s * dtype.itemsize for s in obj.stride())
-    ptr = int(obj.data_ptr())
-    device = _device_of_pointer(ptr) if ptr else Device(0)
-    return DeviceArray(ptr, tuple(obj.shape), dtype, device, strides, owner=obj)
+    """A torch tensor through its own accessors: cheaper than building the array-interface
+    dict, and it covers bfloat16, which torch's interface refuses."""
+    if not obj.is_cuda:
+        raise TypeError(f"expected a CUDA tensor, got a tensor on {obj.device}")
+    dtype = _TORCH_DTYPES.get(obj.dtype)
+    if dtype is None:
+        dtype = _TORCH_DTYPES.setdefault(obj.dtype, dtypes.as_dtype(obj.dtype))
+    itemsize = dtype.itemsize
+    strides = tuple(s * itemsize for s in obj.stride())
+    return DeviceArray(obj.data_ptr(), tuple(obj.shape), dtype, Device(obj.device.index),
+                       strides, owner=obj)
 
 
 def as_device_array(obj: Any) -> DeviceArray:
-    """Wrap ``obj`` (DeviceArray, or anything with ``__cuda_array_interface__``: torch, cupy,
-    numba) as a DeviceArray without copying; the wrapper keeps ``obj`` alive."""
+    """Wrap ``obj`` (DeviceArray, a torch CUDA tensor, or anything with
+    ``__cuda_array_interface__``: cupy, numba) as a DeviceArray without copying; the wrapper
+    keeps ``obj`` alive."""
     if isinstance(obj, DeviceArray):
         return obj
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
+        return _from_torch_like(obj)
     try:
         interface = obj.__cuda_array_interface__
     except AttributeError:
         raise TypeError("expected a DeviceArray or an object with __cuda_array_interface__, "
                         f"got {type(obj).__name__}") from None
-    except (TypeError, RuntimeError):  # torch refuses the interface for bfloat16
-        if hasattr(obj, "data_ptr") and hasattr(obj, "stride"):
-            return _from_torch_like(obj)
-        raise
     return _from_interface(obj, interface)
