@@ -97,7 +97,7 @@ class DecodePlan:
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if config is None:
             config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
-                                     ctas_per_sm), num_warps=warps, stages=variant.stages,
+                                     ctas_per_sm, self.group_size), num_warps=warps, stages=variant.stages,
                             clusters=hopper)
         if config.cluster:
             if not hopper or not 1 <= config.num_splits <= MAX_CLUSTER:

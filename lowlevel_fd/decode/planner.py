@@ -48,6 +48,7 @@ class Workload:
     max_len: int
     sm_count: int
     ctas_per_sm: int
+    group_size: int = 4
 
 
 def default_min_split_tokens(num_warps: int) -> int:
@@ -65,8 +66,11 @@ def choose(work: Workload, *, num_warps: int = 8, min_split_tokens: int | None =
     ``clusters`` (sm_90) the splits merge through distributed shared memory."""
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     pairs = work.batch * work.num_kv_heads
+    # Groups over 8 heads take two mma head blocks: twice the math per tile, so the few-pairs
+    # case asks for two CTAs per SM instead of one.
+    ctas_wanted = work.sm_count * (2 if work.group_size > 8 else 1)
     if 2 * pairs <= work.sm_count:
-        wanted = _power_of_two_at_most(work.sm_count // pairs)
+        wanted = _power_of_two_at_most(ctas_wanted // pairs)
     else:
         wanted = _power_of_two_at_most(max(1, work.max_len // SPLIT_TOKENS))
     by_length = max(1, work.max_len // min_tokens)
