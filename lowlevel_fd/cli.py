@@ -112,10 +112,11 @@ def compile_families(families: Sequence[KernelFamily], arch: str,
     start = time.perf_counter()
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         results = list(pool.map(lambda job: _compile_one(job[1], arch), jobs))
-    rows, problems = [], []
+    rows, problems, first_error = [], [], None
     for (family, variant), result in zip(jobs, results):
         if isinstance(result, CompileError):
-            problems.append(f"{family.name} {variant}: {result}")
+            problems.append(f"{family.name} {variant}: does not compile")
+            first_error = first_error or result
             continue
         for name in family.kernels(variant):
             r = result.resources.get(result.symbol(name))
@@ -137,6 +138,8 @@ def compile_families(families: Sequence[KernelFamily], arch: str,
               f"frame or did not compile:", file=sys.stderr)
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
+        if first_error is not None:  # the others usually fail the same way
+            print(f"the first compile error:\n{first_error}", file=sys.stderr)
         return 1
     print(f"{len(rows)} kernels for {arch}: no spills, no stack frames ({elapsed:.1f} s)")
     return 0
