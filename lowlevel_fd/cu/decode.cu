@@ -53,17 +53,17 @@ __device__ __forceinline__ float scale_value(const char* address) {
 
 // Plain C++ loads (not asm) so the compiler may schedule them; cp_async_wait's "memory"
 // clobber and __syncwarp keep them after the copies have landed.
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, bool BULK>
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT>
 __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stage, int g, int c) {
   using G = Geometry<HEAD_DIM>;
-  using S = Stage<HEAD_DIM, ScaleT, BULK>;
+  using S = Stage<HEAD_DIM, ScaleT>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = 8 * half + g;
 #pragma unroll
     for (int u = 0; u < G::kKVectors; ++u) {
       const uint4 w = *reinterpret_cast<const uint4*>(
-          stage + S::kK + row * S::kKPitch + 16 * S::k_chunk(row, 4 * u + c));
+          stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, 4 * u + c));
       tile.k[half][4 * u] = w.x; tile.k[half][4 * u + 1] = w.y;
       tile.k[half][4 * u + 2] = w.z; tile.k[half][4 * u + 3] = w.w;
     }
@@ -75,7 +75,7 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
 #pragma unroll
   for (int slot = 0; slot < 4; ++slot) {
     const int row = 2 * c + (slot & 1) + 8 * (slot >> 1);
-    const char* base = stage + S::kV + row * S::kVPitch;
+    const char* base = stage + S::kV + row * HEAD_DIM;
     if constexpr (HEAD_DIM == 64) {
       const uint2 w = *reinterpret_cast<const uint2*>(base + 16 * S::v_chunk(row, g >> 1) +
                                                       8 * (g & 1));
@@ -253,10 +253,8 @@ __device__ void cluster_merge(const DecodeParams& p, int b, int kvh, int active,
 // CLUSTER: the CTAs of one (batch, kv head) form a thread-block cluster (grid.y = cluster size =
 // num_splits) and merge their partials through distributed shared memory, with no global
 // round trips; otherwise the last CTA to arrive merges through global memory.
-// BULK (sm_90): the copy engine moves whole K/V rows into the pipeline (cp.async.bulk on an
-// mbarrier per stage) instead of per-lane 16-byte cp.async: far fewer requests per SM.
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES, bool CLUSTER, bool BULK>
+          int STAGES, bool CLUSTER>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
@@ -264,8 +262,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   static_assert(STAGES >= 2, "at least double buffering");
   constexpr int kBlocks = GROUP > 8 ? 2 : 1;  // head blocks of 8 (the mma's N)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
-  using S = Stage<HEAD_DIM, ScaleT, BULK>;
-  __shared__ __align__(8) uint64_t tile_ready[BULK ? NUM_WARPS * STAGES : 1];
+  using S = Stage<HEAD_DIM, ScaleT>;
   // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
   // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32) and then for the split merge.
   extern __shared__ __align__(16) float smem[];
@@ -355,44 +352,32 @@ decode_split(const __grid_constant__ DecodeParams p) {
 
   // ---- load: STAGES - 1 tiles ahead of the math, per warp ----
   const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
-  const uint32_t bars = shared_address(tile_ready) + (BULK ? warp * STAGES * 8 : 0);
   constexpr int kStep = 16 * NUM_WARPS;
   const int first = start + 16 * warp;
-  if constexpr (BULK) {
-    if (lane == 0)
-      for (int st = 0; st < STAGES; ++st) mbarrier_init(bars + 8 * st, 1);
-    __syncwarp();
-  }
-  auto issue = [&](int st, int t) {
-    if constexpr (BULK)
-      issue_tile_bulk<HEAD_DIM, kTokenScales, ScaleT>(pipe + st * S::kBytes, bars + 8 * st,
-                                                      k_base, v_base, ks_tokens, vs_tokens,
-                                                      p.kv_token_stride, t, end, lane);
-    else
-      issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + st * S::kBytes, k_base, v_base,
-                                                 ks_tokens, vs_tokens, p.kv_token_stride, t, end,
-                                                 lane);
-  };
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (first + st * kStep < end) issue(st, first + st * kStep);
+    if (first + st * kStep < end)
+      issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + st * S::kBytes, k_base, v_base, ks_tokens,
+                                                 vs_tokens, p.kv_token_stride, first + st * kStep,
+                                                 end, lane);
     cp_async_commit();  // empty groups keep the group count uniform
   }
   int stage = 0;
-  uint32_t parity = 0;  // of the stage's mbarrier phase (BULK): flips when the stages wrap
 #pragma unroll 1
   for (int t0 = first; t0 < end; t0 += kStep) {
     {
       const int t_issue = t0 + (STAGES - 1) * kStep;
       const int issue_stage = stage == 0 ? STAGES - 1 : stage - 1;
-      if (t_issue < end) issue(issue_stage, t_issue);
+      if (t_issue < end)
+        issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + issue_stage * S::kBytes, k_base, v_base,
+                                                   ks_tokens, vs_tokens, p.kv_token_stride,
+                                                   t_issue, end, lane);
       cp_async_commit();
     }
-    cp_async_wait<STAGES - 1>();  // the tile of t0 has landed (this lane's cp.async part)
-    if constexpr (BULK) mbarrier_wait(bars + 8 * stage, parity);
+    cp_async_wait<STAGES - 1>();  // the tile of t0 has landed (this lane's part)
     __syncwarp();                 // ... and every other lane's part is visible
     Tile<HEAD_DIM> cur;
-    read_tile<HEAD_DIM, kTokenScales, ScaleT, BULK>(
+    read_tile<HEAD_DIM, kTokenScales, ScaleT>(
         cur, reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes, g, c);
 
     // ---- score: S^T = K Q^T, rows tokens g and g+8, columns heads 2c, 2c+1 (per block) ----
@@ -486,7 +471,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
 #undef LLFD_PV_BLOCK
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
-    if (++stage == STAGES) stage = 0, parity ^= 1;
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
   cp_async_wait<0>();
   __syncthreads();  // the merge below reuses the pipelines' shared memory

@@ -15,69 +15,22 @@
 
 namespace llfd {
 
-template <int HEAD_DIM, typename ScaleT, bool BULK = false>
+template <int HEAD_DIM, typename ScaleT>
 struct Stage {
   static constexpr int kRowChunks = HEAD_DIM / 16;
-  // BULK tiles are copied whole (16 contiguous rows) by the copy engine: no swizzle and no
-  // padding, so the fragment reads take 2-way (K) and 4-way (V) bank conflicts.
-  static constexpr int kKPitch = HEAD_DIM;
-  static constexpr int kVPitch = HEAD_DIM;
-  static constexpr int kK = 0, kV = 16 * kKPitch, kKScale = kV + 16 * kVPitch;
+  static constexpr int kK = 0, kV = 16 * HEAD_DIM, kKScale = 32 * HEAD_DIM;
   static constexpr int kVScale = kKScale + 16 * static_cast<int>(sizeof(ScaleT));
   static constexpr int kBytes = kVScale + 16 * static_cast<int>(sizeof(ScaleT));
 
   __device__ static __forceinline__ int k_chunk(int row, int chunk) {
-    if (BULK) return chunk;
     return HEAD_DIM >= 128 ? chunk ^ (4 * (row & 1)) : chunk;
   }
   __device__ static __forceinline__ int v_chunk(int row, int chunk) {
-    if (BULK) return chunk;
     if (HEAD_DIM == 128) return chunk ^ (row & 6);
     if (HEAD_DIM == 256) return chunk ^ (((row >> 1) & 1) | (((row >> 2) & 1) << 2));
     return chunk ^ ((row >> 1) & 3);
   }
 };
-
-// Per-token scales of tokens [t0, t0 + 16) by cp.async (4 bytes: one fp32 or two fp16 tokens
-// per lane); past `end` they are zero-filled without reading memory.
-template <typename S, typename ScaleT>
-__device__ __forceinline__ void issue_scales(uint32_t stage, const ScaleT* ks_base,
-                                             const ScaleT* vs_base, int t0, int end, int lane) {
-  constexpr int kPerLane = 4 / sizeof(ScaleT), kLanes = 16 / kPerLane;
-  if (lane < 2 * kLanes) {
-    const bool is_v = lane >= kLanes;
-    const int t = t0 + kPerLane * (lane % kLanes);
-    const int valid = max(0, min(kPerLane, end - t));
-    const ScaleT* src = (is_v ? vs_base : ks_base) + (valid ? t : 0);
-    cp_async_4(stage + (is_v ? S::kVScale : S::kKScale) + 4 * (lane % kLanes), src,
-               valid * static_cast<int>(sizeof(ScaleT)));
-  }
-}
-
-// The copy engine moves the tile: a full tile of a dense layout (token stride = head_dim, as
-// in BNSH) is one 16-row copy each for K and V; otherwise (BSNH, or the partial last tile)
-// lane r < 16 copies K row r and lane 16 + r V row r. All complete on `bar`.
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT>
-__device__ __forceinline__ void issue_tile_bulk(uint32_t stage, uint32_t bar,
-                                                const int8_t* k_base, const int8_t* v_base,
-                                                const ScaleT* ks_base, const ScaleT* vs_base,
-                                                int64_t token_stride, int t0, int end, int lane) {
-  using S = Stage<HEAD_DIM, ScaleT, true>;
-  if (lane == 0) mbarrier_expect_bytes(bar, 32 * HEAD_DIM);
-  __syncwarp();
-  if (token_stride == HEAD_DIM && t0 + 16 <= end) {
-    if (lane < 2)
-      bulk_copy(stage + (lane ? S::kV : S::kK), (lane ? v_base : k_base) + t0 * token_stride,
-                16 * HEAD_DIM, bar);
-  } else {
-    const int row = lane & 15;
-    const bool is_v = lane >= 16;
-    const int64_t offset = min(t0 + row, end - 1) * token_stride;
-    bulk_copy(stage + (is_v ? S::kV + row * S::kVPitch : S::kK + row * S::kKPitch),
-              (is_v ? v_base : k_base) + offset, HEAD_DIM, bar);
-  }
-  if constexpr (TOKEN_SCALES) issue_scales<S, ScaleT>(stage, ks_base, vs_base, t0, end, lane);
-}
 
 // Issue the copies of tokens [t0, t0 + 16) into the stage at `stage` (a shared address).
 // Rows past `end` re-read row end - 1 (in bounds, initialised) and are masked by the math;
@@ -95,7 +48,18 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, const int8_t* k_base,
     cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk), k_base + offset);
     cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk), v_base + offset);
   }
-  if constexpr (TOKEN_SCALES) issue_scales<S, ScaleT>(stage, ks_base, vs_base, t0, end, lane);
+  if constexpr (TOKEN_SCALES) {
+    // fp32: one lane per token (lanes 0-15 K, 16-31 V). fp16: one lane per token pair.
+    constexpr int kPerLane = 4 / sizeof(ScaleT), kLanes = 16 / kPerLane;
+    if (lane < 2 * kLanes) {
+      const bool is_v = lane >= kLanes;
+      const int t = t0 + kPerLane * (lane % kLanes);
+      const int valid = max(0, min(kPerLane, end - t));
+      const ScaleT* src = (is_v ? vs_base : ks_base) + (valid ? t : 0);
+      cp_async_4(stage + (is_v ? S::kVScale : S::kKScale) + 4 * (lane % kLanes), src,
+                 valid * static_cast<int>(sizeof(ScaleT)));
+    }
+  }
 }
 
 }  // namespace llfd

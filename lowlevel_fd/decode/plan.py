@@ -92,8 +92,7 @@ class DecodePlan:
         warps = config.num_warps if config else 8
         hopper = self.device.compute_capability >= (9, 0)
         variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
-                                self.scale_dtype, warps, config.stages if config else 0,
-                                bulk=hopper and config is not None and config.bulk)
+                                self.scale_dtype, warps, config.stages if config else 0)
         split, combine = load_variant(variant, self.device)
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if config is None:
@@ -139,7 +138,7 @@ class DecodePlan:
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
             "tile_tokens": 16, "num_warps": warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
-            "programmatic": config.programmatic and hopper, "bulk": variant.bulk,
+            "programmatic": config.programmatic and hopper,
             "launches": 1 + (self._combine is not None),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,

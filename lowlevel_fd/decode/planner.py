@@ -39,7 +39,6 @@ class TileConfig:
     stages: int = 0  # tiles in flight per warp; 0 picks the head_dim's default
     cluster: bool = False  # merge the splits inside a thread-block cluster (sm_90, <= 16)
     programmatic: bool = True  # programmatic dependent launch (sm_90; ignored before)
-    bulk: bool = False  # the copy engine fills the pipeline (sm_90; ignored before)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ class DecodeVariant:
     num_warps: int = 4
     stages: int = 0  # 0: default_stages(head_dim)
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
-    bulk: bool = False  # the copy engine (cp.async.bulk) fills the pipeline (sm_90+)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -55,7 +54,7 @@ class DecodeVariant:
         scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
                 f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}, "
-                f"{'true' if self.cluster else 'false'}, {'true' if self.bulk else 'false'}>")
+                f"{'true' if self.cluster else 'false'}>")
 
     @property
     def combine_kernel(self) -> str:
