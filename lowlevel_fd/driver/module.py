@@ -26,7 +26,11 @@ def _as_ctype(value: Any) -> Any:
     if isinstance(value, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
         return value
     if isinstance(value, np.generic):
-        return _NUMPY_TO_CTYPES[value.dtype](value.item())
+        ctype = _NUMPY_TO_CTYPES.get(value.dtype)
+        if ctype is None:
+            raise TypeError(f"kernel argument: no C type for numpy {value.dtype}; pass 16-bit "
+                            f"floats as their bits, e.g. np.float16(x).view(np.uint16)")
+        return ctype(value.item())
     if hasattr(value, "ptr") and hasattr(value, "dtype"):  # DeviceArray
         return ctypes.c_uint64(value.ptr)
     if hasattr(value, "__cuda_array_interface__"):
@@ -73,8 +77,11 @@ class LaunchConfig:
         """(gx, gy, gz, bx, by, bz); shorter tuples are padded with 1."""
         grid = tuple(self.grid) if isinstance(self.grid, tuple) else (self.grid,)
         block = tuple(self.block) if isinstance(self.block, tuple) else (self.block,)
+        if not (1 <= len(grid) <= 3 and 1 <= len(block) <= 3):
+            raise ValueError(f"LaunchConfig: expected 1 to 3 grid and block extents, "
+                             f"got grid={self.grid} block={self.block}")
         grid, block = grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block))
-        if len(grid) != 3 or len(block) != 3 or min(grid + block) < 1:
+        if min(grid + block) < 1:
             raise ValueError(f"LaunchConfig: expected positive 3-D grid and block, "
                              f"got grid={self.grid} block={self.block}")
         return (*grid, *block)

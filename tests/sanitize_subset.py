@@ -1,0 +1,300 @@
+"""A small run of every kernel path, for compute-sanitizer (tools/sanitize.sh runs it under
+memcheck, racecheck, initcheck and synccheck).
+
+Decode: odd lengths, a ragged batch with empty sequences, every scale mode in both layouts with
+fp16 and bf16, the three head dims, forced split configs (fused merge, the separate combine
+kernel, clusters on sm_90), graph replay, device lengths beyond the capacity. Append: every scale
+mode in both layouts, both RoPE styles from a table and from theta, bf16, positions outside the
+cache. Prompts: both prompt layouts, RoPE, lengths clamped to the prompt and the capacity.
+
+Every result is checked against the oracle, so a silent failure is caught too. Outputs are
+NaN-poisoned and caches fully uploaded first, so initcheck only sees initialized memory.
+Not a pytest file. Usage: ``python3 tests/sanitize_subset.py [-k SUBSTRING] [--list]``; the
+last line reads "sanitize_subset: N passed, M failed" and the exit status is 1 on a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository's lowlevel_fd
+
+from decode_case import TOLERANCE, Case  # noqa: E402  (tests/ is this script's directory)
+
+from lowlevel_fd.append import AppendPlan, PromptQuantizer  # noqa: E402
+from lowlevel_fd.append.reference import append_ref, prompt_ref  # noqa: E402
+from lowlevel_fd.decode import TileConfig  # noqa: E402
+from lowlevel_fd.driver import Device, DeviceArray, Stream, capture, dtypes  # noqa: E402
+from lowlevel_fd.reference import rope_table  # noqa: E402
+
+MODES = [("tensor", "float32"), ("head", "float32"), ("token", "float32"), ("token", "float16")]
+LAYOUTS = ("bnsh", "bsnh")
+CASES: list[tuple[str, Callable[[np.random.Generator, Stream], None]]] = []
+
+
+def case(name: str, run: Callable[[np.random.Generator, Stream], None]) -> None:
+    CASES.append((name, run))
+
+
+# -- decode ------------------------------------------------------------------------------------
+def decode(lengths: list[int], *, config: TileConfig | None = None, lse: bool = True,
+           **options: object) -> Callable[[np.random.Generator, Stream], None]:
+    def run(rng: np.random.Generator, stream: Stream) -> None:
+        if getattr(config, "cluster", False) and Device(0).compute_capability < (9, 0):
+            print("     (cluster merge needs sm_90: skipped)")
+            return
+        options.setdefault("num_q_heads", 8)
+        options.setdefault("num_kv_heads", 2)
+        c = Case.random(rng, lengths, **options)
+        d = c.upload()
+        with c.make_plan() as plan:
+            if lse:
+                c.check(*c.run(plan, stream, config=config))
+            else:  # the optional lse left out: only out is written
+                plan.plan(c.lengths, config=config)
+                d["out"].fill(float("nan"))
+                plan.run(d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"], d["seq_lens"],
+                         d["out"], stream=stream)
+                stream.synchronize()
+                reference, _ = c.reference()
+                out = d["out"].numpy().astype(np.float64)
+                error = np.abs(out - reference).max() / np.abs(reference).max()
+                assert error <= TOLERANCE[c.q_dtype], f"max|out-ref|/max|ref| = {error:.3e}"
+            assert plan.error_flags() == 0
+    return run
+
+
+def decode_graph_replay(rng: np.random.Generator, stream: Stream) -> None:
+    c = Case.random(rng, [300, 20, 0], num_q_heads=16, num_kv_heads=4, capacity=1100)
+    d = c.upload()
+    with c.make_plan() as plan:
+        plan.plan([1100] * 3)
+        with capture(stream) as graph:
+            plan.run(d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"], d["seq_lens"],
+                     d["out"], lse=d["lse"], stream=stream)
+        for lengths in ([300, 20, 0], [1, 1099, 65], [1100, 0, 17]):
+            c.lengths, c.host["seq_lens"] = lengths, np.asarray(lengths, np.int32)
+            d["seq_lens"].copy_from_numpy(c.host["seq_lens"])
+            d["out"].fill(float("nan"))
+            d["lse"].fill(float("nan"))
+            graph.launch(stream)
+            stream.synchronize()
+            c.check(d["out"].numpy().astype(np.float64), d["lse"].numpy().astype(np.float64))
+        graph.close()
+
+
+def decode_guard(config: TileConfig | None) -> Callable[[np.random.Generator, Stream], None]:
+    def run(rng: np.random.Generator, stream: Stream) -> None:
+        capacity = 83  # the last 16-token tile straddles the capacity
+        device_lengths = [capacity, capacity + 1, 2**31 - 1, -5, 17]
+        clamped = [min(max(n, 0), capacity) for n in device_lengths]
+        c = Case.random(rng, clamped, num_q_heads=8, num_kv_heads=2, capacity=capacity)
+        d = c.upload()
+        d["seq_lens"].copy_from_numpy(np.asarray(device_lengths, np.int32))
+        with c.make_plan() as plan:
+            out, lse = c.run(plan, stream, config=config)
+            assert plan.error_flags() & 1, "lengths beyond the capacity are flagged"
+            c.check(out, lse)
+    return run
+
+
+for layout in LAYOUTS:
+    for mode, scale_dtype in MODES:
+        for q_dtype in ("float16", "bfloat16"):
+            case(f"decode {layout} {mode}/{scale_dtype} {q_dtype}",
+                 decode([65, 1, 0, 300], kv_layout=layout, scale_mode=mode,
+                        scale_dtype=scale_dtype, q_dtype=q_dtype))
+case("decode odd lengths 1 63 65 1025", decode([1, 63, 65, 1025]))
+case("decode ragged batch with empty sequences", decode([0, 5, 1025, 0, 77], kv_layout="bsnh"))
+case("decode head_dim 64 group 16", decode([129, 7], num_q_heads=32, head_dim=64))
+case("decode head_dim 256 group 8", decode([129, 7], num_q_heads=16, head_dim=256))
+case("decode without lse", decode([65, 2], lse=False))
+FORCED = {"2 warps 1 split": TileConfig(2, 1),
+          "8 warps 3 splits fused": TileConfig(8, 3),
+          "16 splits fused merge": TileConfig(4, 16, 16, True),
+          "7 splits combine kernel": TileConfig(4, 7, 16, False),
+          "128 splits combine kernel": TileConfig(8, 128, 16, False)}
+if "cluster" in {f.name for f in dataclasses.fields(TileConfig)}:
+    FORCED["8 splits cluster merge (sm_90)"] = TileConfig(4, 8, 16, True, cluster=True)
+for label, forced in FORCED.items():
+    case(f"decode {label}", decode([1025, 1, 300, 2048], config=forced))
+case("decode graph replay with new device lengths", decode_graph_replay)
+case("decode lengths beyond the capacity", decode_guard(None))
+case("decode lengths beyond the capacity, combine kernel",
+     decode_guard(TileConfig(4, 5, 16, False)))
+
+
+# -- append and prompts ------------------------------------------------------------------------
+def cache_state(rng: np.random.Generator, *, batch: int, heads: int, head_dim: int,
+                capacity: int, kv_layout: str, scale_mode: str, scale_dtype: str,
+                lengths: list[int]) -> dict[str, np.ndarray]:
+    """Host caches (random), NaN per-token scales or given scales, and the lengths."""
+    shape = ((batch, heads, capacity, head_dim) if kv_layout == "bnsh"
+             else (batch, capacity, heads, head_dim))
+    host = {"k_cache": rng.integers(-128, 128, shape, dtype=np.int8),
+            "v_cache": rng.integers(-128, 128, shape, dtype=np.int8),
+            "seq_lens": np.asarray(lengths, np.int32)}
+    for name in ("k_scale", "v_scale"):
+        if scale_mode == "token":
+            host[name] = np.full((batch, heads, capacity), np.nan, np.dtype(scale_dtype))
+        else:
+            count = 1 if scale_mode == "tensor" else heads
+            host[name] = rng.uniform(0.03, 0.05, count).astype(np.float32)
+    return host
+
+
+def tokens(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtypes.as_dtype(dtype))
+
+
+def append(kv_layout: str, scale_mode: str, scale_dtype: str, *, dtype: str = "float16",
+           rope: str | None = None, table: bool = False,
+           lengths: tuple[int, ...] = (0, 5, 39, 17, 40, -1)
+           ) -> Callable[[np.random.Generator, Stream], None]:
+    """One appended token per sequence; positions 40 and -1 lie outside the cache."""
+    def run(rng: np.random.Generator, stream: Stream) -> None:
+        batch, heads, group, head_dim, capacity = len(lengths), 2, 2, 128, 40
+        host = cache_state(rng, batch=batch, heads=heads, head_dim=head_dim, capacity=capacity,
+                           kv_layout=kv_layout, scale_mode=scale_mode, scale_dtype=scale_dtype,
+                           lengths=list(lengths))
+        d = {name: DeviceArray.from_numpy(value) for name, value in host.items()}
+        k_new, v_new = (tokens(rng, (batch, heads, head_dim), dtype) for _ in range(2))
+        q = tokens(rng, (batch, heads * group, head_dim), dtype)
+        d_q, d_q_out = DeviceArray.from_numpy(q), DeviceArray.full(q.shape, np.nan, q.dtype)
+        cos_sin = rope_table(capacity, head_dim) if table else None
+        extra = {}
+        if rope:
+            extra = {"q": d_q, "q_out": d_q_out,
+                     "cos_sin": DeviceArray.from_numpy(cos_sin) if table else None}
+        with AppendPlan(heads * group, heads, head_dim, max_batch=batch, kv_layout=kv_layout,
+                        scale_mode=scale_mode, scale_dtype=scale_dtype, dtype=dtype,
+                        rope=rope) as plan:
+            plan.run(DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), d["k_cache"],
+                     d["v_cache"], d["k_scale"], d["v_scale"], d["seq_lens"], advance=True,
+                     stream=stream, **extra)
+            assert plan.error_flags(stream=stream) & 1, "positions 40 and -1 are flagged"
+        got = {name: array.numpy() for name, array in d.items()}
+        q_ref = append_ref(host["k_cache"], host["v_cache"], host["k_scale"], host["v_scale"],
+                           host["seq_lens"], k_new, v_new, kv_layout=kv_layout,
+                           scale_mode=scale_mode, scale_dtype=scale_dtype, rope=rope,
+                           cos_sin=cos_sin, q=q if rope else None, advance=True)
+        np.testing.assert_array_equal(got["seq_lens"], host["seq_lens"])
+        np.testing.assert_array_equal(got["v_cache"], host["v_cache"])
+        np.testing.assert_array_equal(got["v_scale"], host["v_scale"])
+        if rope is None:  # bit-exact without RoPE
+            np.testing.assert_array_equal(got["k_cache"], host["k_cache"])
+            np.testing.assert_array_equal(got["k_scale"], host["k_scale"])
+            return
+        # fp32 RoPE against float64: K within one int8 step, q within a rounding (+ angle).
+        assert np.abs(got["k_cache"].astype(np.int32) - host["k_cache"]).max() <= 1
+        # fp32 scales: a few ulps of the rotation; fp16 ones: one fp16 rounding (2**-10).
+        np.testing.assert_allclose(got["k_scale"].astype(np.float64), host["k_scale"],
+                                   rtol=5e-4 if scale_dtype == "float32" else 2e-3)
+        valid = (np.asarray(lengths) >= 0) & (np.asarray(lengths) < capacity)
+        rotated = d_q_out.numpy().astype(np.float64)
+        np.testing.assert_allclose(rotated[valid], q_ref[valid],
+                                   rtol=2.0**-7 if dtype == "bfloat16" else 2.0**-10, atol=1e-3)
+        assert np.isnan(rotated[~valid]).all(), "q_out rows of skipped sequences are untouched"
+    return run
+
+
+def prompt(prompt_layout: str, kv_layout: str, *, scale_mode: str = "token",
+           scale_dtype: str = "float32", rope: str | None = None,
+           lengths: tuple[int, ...] = (0, 1, 37, 20), capacity: int = 48
+           ) -> Callable[[np.random.Generator, Stream], None]:
+    def run(rng: np.random.Generator, stream: Stream) -> None:
+        batch, heads, head_dim, tokens_per_prompt = len(lengths), 2, 64, 37
+        host = cache_state(rng, batch=batch, heads=heads, head_dim=head_dim, capacity=capacity,
+                           kv_layout=kv_layout, scale_mode=scale_mode, scale_dtype=scale_dtype,
+                           lengths=list(lengths))
+        shape = ((batch, tokens_per_prompt, heads, head_dim) if prompt_layout == "bsnh"
+                 else (batch, heads, tokens_per_prompt, head_dim))
+        k, v = (tokens(rng, shape, "float16") for _ in range(2))
+        d = {name: DeviceArray.from_numpy(value) for name, value in host.items()}
+        written = DeviceArray.full(batch, -7, np.int32)
+        with PromptQuantizer(heads, head_dim, max_batch=batch, kv_layout=kv_layout,
+                             prompt_layout=prompt_layout, scale_mode=scale_mode,
+                             scale_dtype=scale_dtype, rope=rope) as quantizer:
+            quantizer.run(DeviceArray.from_numpy(k), DeviceArray.from_numpy(v), d["k_cache"],
+                          d["v_cache"], d["k_scale"], d["v_scale"], d["seq_lens"],
+                          seq_lens_out=written, stream=stream)
+            flags = quantizer.error_flags(stream=stream)
+        expected = prompt_ref(host["k_cache"], host["v_cache"], host["k_scale"],
+                              host["v_scale"], host["seq_lens"], k, v, kv_layout=kv_layout,
+                              prompt_layout=prompt_layout, scale_mode=scale_mode,
+                              scale_dtype=scale_dtype, rope=rope)
+        clipped = np.clip(lengths, 0, tokens_per_prompt)
+        assert flags == (int((clipped != np.asarray(lengths)).any()) << 1
+                         | int((clipped > capacity).any()))
+        assert written.numpy().tolist() == expected.tolist()
+        got = {name: d[name].numpy() for name in ("k_cache", "v_cache", "k_scale", "v_scale")}
+        np.testing.assert_array_equal(got["v_cache"], host["v_cache"])
+        np.testing.assert_array_equal(got["v_scale"], host["v_scale"])
+        if rope is None:
+            np.testing.assert_array_equal(got["k_cache"], host["k_cache"])
+            np.testing.assert_array_equal(got["k_scale"], host["k_scale"])
+        else:
+            assert np.abs(got["k_cache"].astype(np.int32) - host["k_cache"]).max() <= 1
+            np.testing.assert_allclose(got["k_scale"], host["k_scale"], rtol=5e-5)
+    return run
+
+
+for layout in LAYOUTS:
+    for mode, scale_dtype in MODES:
+        case(f"append {layout} {mode}/{scale_dtype}", append(layout, mode, scale_dtype))
+for style in ("neox", "gptj"):
+    case(f"append rope {style} table", append("bnsh", "token", "float32", rope=style, table=True))
+    case(f"append rope {style} theta bf16",
+         append("bsnh", "token", "float16", rope=style, dtype="bfloat16"))
+case("append bf16 head scales", append("bnsh", "head", "float32", dtype="bfloat16"))
+for prompt_layout in ("bsnh", "bnsh"):
+    for layout in LAYOUTS:
+        case(f"prompt {prompt_layout} into {layout}", prompt(prompt_layout, layout))
+case("prompt rope neox, per-head scales",
+     prompt("bsnh", "bsnh", scale_mode="head", rope="neox"))
+case("prompt lengths beyond the prompt and the capacity",
+     prompt("bnsh", "bnsh", lengths=(60, 35, 10, -3), capacity=32))
+
+
+# -- driver --------------------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="run only cases whose name contains this")
+    parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    options = parser.parse_args(argv)
+    selected = [(name, run) for name, run in CASES if options.k in name]
+    if options.list:
+        print("\n".join(name for name, _ in selected))
+        return 0
+    device = Device(0)
+    failures: list[str] = []
+    with Stream(device) as stream:
+        for name, run in selected:
+            start = time.perf_counter()
+            try:
+                run(np.random.default_rng(zlib.crc32(name.encode())), stream)
+            except Exception:  # report, and run the rest: the sanitizer should see every kernel
+                traceback.print_exc()
+                failures.append(name)
+                print(f"FAIL {name}", flush=True)
+            else:
+                print(f"ok   {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+            gc.collect()  # free this case's arrays before the next (memcheck's leak check)
+    device.synchronize()
+    for name in failures:
+        print(f"failed: {name}")
+    print(f"sanitize_subset: {len(selected) - len(failures)} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

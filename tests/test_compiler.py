@@ -1,0 +1,277 @@
+"""Specification of the compiler: NVRTC to CUBIN per arch, the resource report, CompileError,
+and the disk cache (hit, miss, corruption, read-only fallback, atomic writes, two processes)."""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import queue
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from lowlevel_fd.compiler import (CompileError, CompileOptions, cache, cache_key,
+                                  clear_memory_cache, compile_source)
+from lowlevel_fd.decode import DecodeVariant
+
+ARCHS = ("sm_80", "sm_90")
+TINY = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+BAD = ('extern "C" __global__ void broken(float* x) {\n'
+       '  x[0] = undefined_name;\n'
+       '}\n')
+# Corners of the support matrix: the smallest tile, the largest, the demo's, bf16 + fp16 scales.
+DECODE_SAMPLE = (
+    DecodeVariant(64, 1, "float16", "tensor"),
+    DecodeVariant(128, 4, "float16", "token", "float32"),
+    DecodeVariant(256, 16, "bfloat16", "token", "float16"),
+    DecodeVariant(128, 8, "bfloat16", "head"),
+)
+CORRUPTIONS = {
+    "truncated": lambda blob: blob[: len(blob) // 2],
+    "bit flipped": lambda blob: blob[:-100] + bytes([blob[-100] ^ 0x01]) + blob[-99:],
+    "empty": lambda blob: b"",
+    "foreign format": lambda blob: b"not a cache entry" + blob[17:],
+}
+
+
+@pytest.fixture
+def cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A private, empty cache directory and an empty in-process cache."""
+    directory = tmp_path / "kernel-cache"
+    monkeypatch.setenv("LOWLEVEL_FD_CACHE_DIR", str(directory))
+    clear_memory_cache()
+    yield directory
+    clear_memory_cache()  # also re-enables the disk for the next test
+
+
+@pytest.fixture
+def nvrtc_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts the compilations the cache really hands to NVRTC."""
+    calls: list[str] = []
+    real = cache.compile_source
+
+    def counting(source, name, options, name_expressions=()):
+        calls.append(name)
+        return real(source, name, options, name_expressions)
+
+    monkeypatch.setattr(cache, "compile_source", counting)
+    return calls
+
+
+def entries(directory: Path) -> list[Path]:
+    return sorted(directory.iterdir()) if directory.exists() else []
+
+
+# -- compiling ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inline_kernel_compiles_to_cubin_for_the_arch(arch):
+    program = compile_source(TINY, "tiny.cu", CompileOptions(arch=arch))
+    assert program.cubin.startswith(b"\x7fELF")
+    assert program.arch == arch
+    assert f"for '{arch}'" in program.log
+    report = program.resources["twice"]
+    assert report.registers > 0
+    assert (report.spill_store_bytes, report.spill_load_bytes, report.stack_bytes) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", DECODE_SAMPLE, ids=lambda v: v.split_kernel)
+def test_decode_variants_compile_without_spills(cache_path, arch, variant):
+    program = variant.compile(arch)
+    assert program.cubin.startswith(b"\x7fELF") and program.arch == arch
+    for kernel in (variant.split_kernel, variant.combine_kernel):
+        symbol = program.symbol(kernel)
+        assert symbol.startswith("_Z"), "template instantiations get their mangled names"
+        report = program.resources[symbol]
+        assert report.registers > 0
+        assert report.spill_store_bytes == report.spill_load_bytes == 0, kernel
+        assert report.stack_bytes == 0, kernel
+
+
+def test_compile_error_carries_the_log_with_file_and_line():
+    with pytest.raises(CompileError, match=r"bad\.cu\(2\): error: identifier \"undefined_name\""
+                       ) as caught:
+        compile_source(BAD, "bad.cu", CompileOptions(arch="sm_90"))
+    assert caught.value.arch == "sm_90" and caught.value.source == "bad.cu"
+    assert "undefined_name" in caught.value.log
+    assert str(caught.value).startswith("NVRTC failed to compile bad.cu for sm_90:")
+
+
+# -- options and keys --------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm90", "compute_90", "90", "sm_90x", "SM_90", ""])
+def test_options_reject_an_arch_that_is_not_a_real_gpu(arch):
+    with pytest.raises(ValueError, match="arch: expected a real architecture"):
+        CompileOptions(arch=arch).flags()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a", "sm_100f"])
+def test_options_render_the_arch_into_the_flags(arch):
+    assert f"-arch={arch}" in CompileOptions(arch=arch).flags()
+
+
+def test_cache_key_covers_arch_defines_and_name_expressions():
+    names = ("llfd::decode_combine<64, 1, llfd::f16>",)
+    base = cache_key("decode.cu", CompileOptions(arch="sm_90"), names)
+    assert base == cache_key("decode.cu", CompileOptions(arch="sm_90"), names)
+    others = {
+        cache_key("decode.cu", CompileOptions(arch="sm_80"), names),
+        cache_key("decode.cu", CompileOptions(arch="sm_90", defines=(("LLFD_X", "1"),)), names),
+        cache_key("decode.cu", CompileOptions(arch="sm_90", extra=("-G",)), names),
+        cache_key("decode.cu", CompileOptions(arch="sm_90"), ()),
+    }
+    assert base not in others and len(others) == 4
+
+
+# -- the cache ---------------------------------------------------------------------------------
+# The cache is exercised on a tiny kernel of its own, so that it is tested apart from decode.cu.
+TINY_SOURCE = ('#include "tiny.cuh"\n'
+               "template <int N> __global__ void scale(float* x) { x[threadIdx.x] *= kBase * N; }\n")
+TINY_HEADER = "constexpr float kBase = 2.0f;\n"
+
+
+@pytest.fixture
+def kernel_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "cu"
+    directory.mkdir()
+    (directory / "tiny.cu").write_text(TINY_SOURCE)
+    (directory / "tiny.cuh").write_text(TINY_HEADER)
+    monkeypatch.setattr(cache, "KERNEL_DIR", directory)
+    return directory
+
+
+def compile_tiny(kernel_dir: Path, arch: str = "sm_90", n: int = 2):
+    options = CompileOptions(arch=arch, extra=(f"-I{kernel_dir}",))
+    return cache.compile_cached("tiny.cu", options, (f"scale<{n}>",))
+
+
+def test_miss_compiles_and_writes_one_entry_then_memory_and_disk_hit(cache_path, kernel_dir,
+                                                                      nvrtc_calls):
+    first = compile_tiny(kernel_dir)
+    assert nvrtc_calls == ["tiny.cu"]
+    [entry] = entries(cache_path)
+    assert entry.name.startswith("tiny-sm_90-") and entry.suffix == ".bin"
+
+    assert compile_tiny(kernel_dir) is first  # in-process hit
+    clear_memory_cache()
+    from_disk = compile_tiny(kernel_dir)  # disk hit
+    assert nvrtc_calls == ["tiny.cu"]
+    assert from_disk.cubin == first.cubin and from_disk.resources == first.resources
+    assert from_disk.lowered_names == first.lowered_names and from_disk.log == first.log
+    assert from_disk.symbol("scale<2>").startswith("_Z")
+
+
+def test_another_arch_or_instantiation_is_another_entry(cache_path, kernel_dir, nvrtc_calls):
+    compile_tiny(kernel_dir, "sm_90")
+    compile_tiny(kernel_dir, "sm_80")
+    compile_tiny(kernel_dir, "sm_90", n=3)
+    assert len(nvrtc_calls) == 3
+    assert sorted(e.name.split("-")[1] for e in entries(cache_path)) == ["sm_80", "sm_90",
+                                                                          "sm_90"]
+
+
+def test_editing_a_header_invalidates_the_entry(cache_path, kernel_dir, nvrtc_calls):
+    compile_tiny(kernel_dir)
+    (kernel_dir / "tiny.cuh").write_text("constexpr float kBase = 3.0f;\n")
+    clear_memory_cache()
+    compile_tiny(kernel_dir)
+    assert len(nvrtc_calls) == 2 and len(entries(cache_path)) == 2
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_corrupt_entry_is_a_miss_and_is_rewritten(cache_path, kernel_dir, nvrtc_calls, corrupt):
+    good = compile_tiny(kernel_dir)
+    [entry] = entries(cache_path)
+    entry.write_bytes(corrupt(entry.read_bytes()))
+    clear_memory_cache()
+
+    again = compile_tiny(kernel_dir)
+    assert len(nvrtc_calls) == 2, "a corrupt entry must be recompiled, never loaded"
+    # Not byte-equal: NVRTC embeds a temporary file name in the line info.
+    assert again.cubin.startswith(b"\x7fELF") and again.resources == good.resources
+    clear_memory_cache()
+    compile_tiny(kernel_dir)
+    assert len(nvrtc_calls) == 2, "the recompiled entry replaced the corrupt one"
+    assert entries(cache_path) == [entry]
+
+
+def test_unwritable_cache_directory_falls_back_to_memory_with_a_warning(cache_path, kernel_dir,
+                                                                          nvrtc_calls):
+    cache_path.mkdir()
+    cache_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(cache_path, os.W_OK):
+            pytest.skip("running as root: chmod does not make the directory read-only")
+        with pytest.warns(RuntimeWarning, match="unusable.*in memory only"):
+            program = compile_tiny(kernel_dir)
+        assert program.cubin.startswith(b"\x7fELF")
+        assert compile_tiny(kernel_dir) is program and len(nvrtc_calls) == 1
+        assert entries(cache_path) == []
+    finally:
+        cache_path.chmod(stat.S_IRWXU)
+
+
+def test_cache_path_under_a_file_falls_back_to_memory_with_a_warning(tmp_path, monkeypatch,
+                                                                       cache_path, kernel_dir,
+                                                                       nvrtc_calls):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("LOWLEVEL_FD_CACHE_DIR", str(blocker / "kernel-cache"))
+    with pytest.warns(RuntimeWarning, match="compile cache directory unusable"):
+        program = compile_tiny(kernel_dir)
+    assert compile_tiny(kernel_dir) is program and len(nvrtc_calls) == 1
+
+
+def test_failed_write_leaves_no_temporary_file(cache_path, kernel_dir, nvrtc_calls, monkeypatch):
+    def disk_full(source, destination):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache.os, "replace", disk_full)
+        with pytest.warns(RuntimeWarning, match="No space left on device"):
+            compile_tiny(kernel_dir)
+    assert entries(cache_path) == []
+
+
+def test_successful_writes_leave_only_entries(cache_path, kernel_dir):
+    for n in (1, 2, 3):
+        compile_tiny(kernel_dir, n=n)
+    names = [e.name for e in entries(cache_path)]
+    assert len(names) == 3 and all(n.endswith(".bin") and ".tmp" not in n for n in names)
+
+
+def _compile_in_child(cache_directory: str, kernel_directory: str, barrier, results) -> None:
+    os.environ["LOWLEVEL_FD_CACHE_DIR"] = cache_directory
+    cache.KERNEL_DIR = Path(kernel_directory)
+    barrier.wait(timeout=120)  # both children reach NVRTC and the rename at about the same time
+    program = compile_tiny(Path(kernel_directory))
+    results.put(hashlib.sha256(program.cubin).hexdigest())
+
+
+def test_two_processes_compiling_the_same_kernel_both_succeed(cache_path, kernel_dir,
+                                                              nvrtc_calls):
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    children = [context.Process(target=_compile_in_child,
+                                args=(str(cache_path), str(kernel_dir), barrier, results))
+                for _ in range(2)]
+    for child in children:
+        child.start()
+    digests: list[str] = []
+    deadline = time.monotonic() + 300
+    while len(digests) < 2 and time.monotonic() < deadline:
+        try:
+            digests.append(results.get(timeout=1))
+        except queue.Empty:  # a child that died never answers: fail now, not at the deadline
+            assert all(c.exitcode in (None, 0) for c in children), "a child process failed"
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert len(digests) == 2
+    [entry] = entries(cache_path)  # exactly one entry, and no temporary files
+    program = compile_tiny(kernel_dir)
+    assert nvrtc_calls == [], "the entry the children wrote is valid"
+    # The two CUBINs may differ in a few bytes (a temporary name in the line info): the
+    # entry is whichever rename came last.
+    assert hashlib.sha256(program.cubin).hexdigest() in digests

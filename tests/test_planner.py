@@ -1,0 +1,183 @@
+"""Specification of the split-KV planner (``decode.planner``) and of the decode variant set."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowlevel_fd.decode import DecodeVariant, shipped_variants
+from lowlevel_fd.decode.planner import (MAX_CLUSTER, MAX_PORTABLE_SPLITS, MAX_SPLITS,
+                                        SPLIT_TOKENS, TileConfig, Workload, choose,
+                                        default_min_split_tokens, workspace_pairs_bound)
+from lowlevel_fd.decode.variants import GROUP_SIZES, HEAD_DIMS, Q_DTYPES
+
+H100_SMS, A100_SMS = 132, 108
+LENGTHS = (1, 15, 16, 127, 128, 129, 500, 1024, 2047, 4096, 8191, 32768, 131072)
+
+
+def plan_for(batch: int, num_kv_heads: int, max_len: int, sm_count: int = H100_SMS,
+             group_size: int = 4, **options) -> TileConfig:
+    return choose(Workload(batch, num_kv_heads, max_len, sm_count, ctas_per_sm=2,
+                           group_size=group_size), **options)
+
+
+def splits(*args, **kwargs) -> int:
+    return plan_for(*args, **kwargs).num_splits
+
+
+# -- choose ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch, num_kv_heads", [(64, 8), (17, 8), (132, 1), (256, 1)])
+@pytest.mark.parametrize("max_len", [128, 1024, SPLIT_TOKENS * 2 - 1])
+def test_one_split_when_the_pairs_fill_the_gpu_and_sequences_are_short(batch, num_kv_heads,
+                                                                        max_len):
+    # 17 x 8 = 136 (sequence, kv head) pairs already give each of the 132 SMs a CTA.
+    assert splits(batch, num_kv_heads, max_len) == 1
+
+
+@pytest.mark.parametrize("batch, num_kv_heads", [(64, 8), (17, 8), (256, 1)])
+@pytest.mark.parametrize("max_len", LENGTHS)
+def test_with_many_pairs_splits_stay_long(batch, num_kv_heads, max_len):
+    count = splits(batch, num_kv_heads, max_len)
+    assert count == 1 or count * SPLIT_TOKENS <= max_len
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+@pytest.mark.parametrize("max_len", [8192, 32768, 131072])
+def test_a_single_long_sequence_is_split_to_fill_the_gpu(num_kv_heads, max_len):
+    count = splits(1, num_kv_heads, max_len)
+    assert count > 1
+    # At least half the SMs busy (splits round down to a power of two), unless the cap on
+    # splits is what limits them.
+    assert num_kv_heads * count >= H100_SMS // 2 or count == MAX_PORTABLE_SPLITS
+
+
+@pytest.mark.parametrize("num_warps", [2, 4, 8])
+@pytest.mark.parametrize("max_len", [1, 16, 32])
+def test_short_sequences_are_never_split(num_warps, max_len):
+    assert splits(1, 1, max_len, num_warps=num_warps) == 1  # below min_split_tokens
+
+
+@pytest.mark.parametrize("num_warps", [2, 4, 8])
+@pytest.mark.parametrize("min_split_tokens", [None, 16, 256])
+@pytest.mark.parametrize("batch", [1, 4, 64])
+@pytest.mark.parametrize("max_len", LENGTHS)
+def test_no_split_is_shorter_than_min_split_tokens(num_warps, min_split_tokens, batch, max_len):
+    config = plan_for(batch, 1, max_len, num_warps=num_warps, min_split_tokens=min_split_tokens)
+    minimum = min_split_tokens or default_min_split_tokens(num_warps)
+    assert config.min_split_tokens == minimum
+    # Every split but the last gets at least `minimum` tokens (the kernel rounds up to it).
+    assert (config.num_splits - 1) * minimum < max(max_len, 1)
+
+
+@pytest.mark.parametrize("sm_count", [H100_SMS, A100_SMS, 1000])
+@pytest.mark.parametrize("batch", [1, 2, 600])
+@pytest.mark.parametrize("group_size", [1, 16])
+def test_never_more_than_the_split_cap(sm_count, batch, group_size):
+    count = splits(batch, 1, 2**30, sm_count, group_size, min_split_tokens=16)
+    assert count == MAX_PORTABLE_SPLITS <= MAX_SPLITS
+
+
+@pytest.mark.parametrize("batch, max_len", [(1, 2**20), (1, 4096), (4, 65536), (64, 65536),
+                                            (1, 64)])
+def test_cluster_merges_only_when_split_and_within_a_cluster(batch, max_len):
+    config = plan_for(batch, 1, max_len, clusters=True)
+    assert config.num_splits <= MAX_CLUSTER
+    assert config.cluster == (config.num_splits > 1)
+    assert not plan_for(batch, 1, max_len, clusters=False).cluster
+
+
+@pytest.mark.parametrize("batch, num_kv_heads, group_size",
+                         list(itertools.product((1, 2, 5, 64), (1, 8), (4, 16))))
+def test_splits_grow_monotonically_with_length(batch, num_kv_heads, group_size):
+    counts = [splits(batch, num_kv_heads, n, group_size=group_size)
+              for n in range(1, 131073, 97)]
+    assert counts == sorted(counts)
+
+
+@pytest.mark.parametrize("num_warps", [2, 4, 8])
+def test_choose_passes_its_tile_settings_through(num_warps):
+    config = plan_for(1, 8, 4096, num_warps=num_warps, fused_merge=False, stages=3)
+    assert isinstance(config, TileConfig)
+    assert (config.num_warps, config.fused_merge, config.stages) == (num_warps, False, 3)
+    assert config.min_split_tokens == default_min_split_tokens(num_warps)
+
+
+# -- workspace bound ---------------------------------------------------------------------------
+@pytest.mark.parametrize("sm_count", [H100_SMS, A100_SMS, 16])
+@pytest.mark.parametrize("num_kv_heads", [1, 8, 32])
+@pytest.mark.parametrize("max_batch", [1, 7, 64])
+def test_workspace_bound_covers_every_batch_and_length(sm_count, num_kv_heads, max_batch):
+    bound = workspace_pairs_bound(max_batch, num_kv_heads)
+    for batch, max_len, group_size in itertools.product(
+            range(1, max_batch + 1), (1, 200, 4096, 131072), (1, 16)):
+        used = batch * num_kv_heads * splits(batch, num_kv_heads, max_len, sm_count, group_size)
+        assert used <= bound, (batch, max_len, group_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(max_batch=st.integers(1, 512), batch_fraction=st.floats(0, 1),
+       num_kv_heads=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), sm_count=st.integers(1, 200),
+       group_size=st.sampled_from([1, 2, 4, 8, 16]), max_len=st.integers(0, 131072),
+       num_warps=st.sampled_from([2, 4, 8]), clusters=st.booleans())
+def test_workspace_bound_property(max_batch, batch_fraction, num_kv_heads, sm_count, group_size,
+                                  max_len, num_warps, clusters):
+    batch = max(1, round(batch_fraction * max_batch))
+    config = plan_for(batch, num_kv_heads, max_len, sm_count, group_size, num_warps=num_warps,
+                      clusters=clusters)
+    assert 1 <= config.num_splits <= MAX_SPLITS
+    assert batch * num_kv_heads * config.num_splits <= workspace_pairs_bound(max_batch,
+                                                                             num_kv_heads)
+
+
+# -- variants ----------------------------------------------------------------------------------
+def test_variant_names_are_the_template_instantiations():
+    # <head_dim, group, warps, scale mode id, q type, scale type, then pipeline options>
+    variant = DecodeVariant(128, 4, "float16", "token", "float32", num_warps=4)
+    assert variant.split_kernel.startswith("llfd::decode_split<128, 4, 4, 2, llfd::f16, ")
+    assert variant.combine_kernel == "llfd::decode_combine<128, 4, llfd::f16>"
+    bf16 = DecodeVariant(64, 8, "bfloat16", "token", "float16", num_warps=8)
+    assert bf16.split_kernel.startswith("llfd::decode_split<64, 8, 8, 2, llfd::bf16, ")
+    assert bf16.combine_kernel == "llfd::decode_combine<64, 8, llfd::bf16>"
+    fp32_scales = DecodeVariant(64, 8, "bfloat16", "token", "float32", num_warps=8)
+    assert bf16.split_kernel != fp32_scales.split_kernel
+
+
+@pytest.mark.parametrize("mode, mode_id", [("tensor", 0), ("head", 1)])
+def test_static_scales_are_always_float32(mode, mode_id):
+    variant = DecodeVariant(256, 2, "float16", mode, "float16")
+    assert variant.split_kernel.startswith(f"llfd::decode_split<256, 2, 4, {mode_id}, llfd::f16, ")
+    assert variant.split_kernel == DecodeVariant(256, 2, "float16", mode, "float32").split_kernel
+
+
+SM80_SHARED_OPTIN, SM90_SHARED_OPTIN = 163 * 1024, 227 * 1024
+ALL_WARP_VARIANTS = list(shipped_variants((2, 4, 8)))
+
+
+@pytest.mark.parametrize("variant", ALL_WARP_VARIANTS, ids=lambda v: v.split_kernel)
+def test_variant_launch_shape_fits_the_gpus(variant):
+    assert variant.threads == 32 * variant.num_warps
+    # The shared memory holds each warp's fp32 partial outputs for the in-CTA merge.
+    partials = variant.num_warps * variant.group_size * variant.head_dim * 4
+    assert variant.dynamic_shared_bytes >= partials
+    assert variant.dynamic_shared_bytes <= SM90_SHARED_OPTIN
+    if variant.num_warps == 4:  # the default the plan picks must also run on sm_80
+        assert variant.dynamic_shared_bytes <= SM80_SHARED_OPTIN
+
+
+@pytest.mark.parametrize("num_warps", [(4,), (2, 4, 8)])
+def test_shipped_variants_cover_the_support_matrix_once(num_warps):
+    variants = list(shipped_variants(num_warps))
+    assert len(set(variants)) == len(variants)
+    assert len({v.split_kernel for v in variants}) == len(variants)
+    assert all(v.scale_dtype == "float32" for v in variants if v.scale_mode != "token")
+    # Per head_dim, group, q dtype and warp count: tensor, head, token fp32, token fp16 scales.
+    matrix = {(v.head_dim, v.group_size, v.q_dtype, v.scale_mode, v.scale_dtype, v.num_warps)
+              for v in variants}
+    expected = {(d, g, q, mode, sd, w)
+                for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES, num_warps)
+                for mode, sd in (("tensor", "float32"), ("head", "float32"),
+                                 ("token", "float32"), ("token", "float16"))}
+    assert matrix == expected
+    assert DecodeVariant(128, 4, "float16", "token", "float32") in variants
