@@ -82,7 +82,7 @@ class DecodeStep:
                  sm_scale: float | None = None, device: Device | None = None) -> None:
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
-        device = device or Device(0)
+        device = check.device_option(device)  # both plans share it
         self.num_layers = num_layers
         self.append = AppendPlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,
                                  kv_layout=kv_layout, scale_mode=scale_mode,

@@ -20,7 +20,7 @@ VARIANTS = list(shipped_variants())
 
 class StandInDevice:
     """Enough of a Device for plans that never reach the GPU."""
-    ordinal, arch = 0, "sm_90"
+    ordinal, arch, compute_capability = 0, "sm_90", (9, 0)
 
 
 DEV = StandInDevice()

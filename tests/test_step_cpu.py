@@ -12,7 +12,7 @@ from lowlevel_fd.step import DecodeStep, LayerBuffers
 
 class StandInDevice:
     """Enough of a Device for plans that never reach the GPU."""
-    ordinal, arch, sm_count = 0, "sm_90", 132
+    ordinal, arch, compute_capability, sm_count = 0, "sm_90", (9, 0), 132
 
 
 DEV = StandInDevice()

@@ -15,8 +15,9 @@ from lowlevel_fd.decode.params import DecodeParams
 from lowlevel_fd.decode.validate import host_lengths
 from lowlevel_fd.driver import DeviceArray
 
-DEVICE = SimpleNamespace(ordinal=0)  # the constructor and the checks only compare identity
-OTHER_DEVICE = SimpleNamespace(ordinal=1)
+# Device stand-ins (an int ordinal and a compute capability): the checks only compare identity.
+DEVICE = SimpleNamespace(ordinal=0, compute_capability=(9, 0))
+OTHER_DEVICE = SimpleNamespace(ordinal=1, compute_capability=(9, 0))
 OWNER = SimpleNamespace(closed=False)
 B, HQ, HKV, D, CAPACITY, PLANNED = 2, 8, 2, 128, 256, 200
 

@@ -53,8 +53,8 @@ def caches(runner: "KernelRunner", k_cache: Any, v_cache: Any, batch: int
     for name, array in (("k_cache", k), ("v_cache", v)):
         check.inner_contiguous(name, array)
         check.aligned(name, array, 16, (0, 1, 2))
-    if capacity >= 2**31:
-        raise ValueError(f"k_cache: expected a capacity below 2**31 tokens, got {capacity}")
+        check.no_internal_overlap(name, array)
+    check.int32_count("k_cache", capacity, "tokens of capacity")
     strides = tuple(k.strides[a] for a in axes)
     return k, v, capacity, strides  # type: ignore[return-value]
 
@@ -69,6 +69,7 @@ def scales(runner: "KernelRunner", k_scale: Any, v_scale: Any, batch: int, capac
             check.dtype(name, array, (runner.scale_dtype,))
             check.shape(name, array, (batch, runner.num_kv_heads, capacity), "[B, Hkv, S_max]")
             check.inner_contiguous(name, array)
+            check.no_internal_overlap(name, array)  # written: one scale per token
         else:
             check.dtype(name, array, ("float32",))
             count = 1 if runner.scale_mode == "tensor" else runner.num_kv_heads
@@ -76,6 +77,7 @@ def scales(runner: "KernelRunner", k_scale: Any, v_scale: Any, batch: int, capac
                 label = "[1]" if count == 1 else "[Hkv]"
                 raise ValueError(f"{name}: expected shape {label}=({count},) for scale_mode="
                                  f"'{runner.scale_mode}', got {array.shape}")
+            check.contiguous(name, array)  # the kernel indexes scales + head
         arrays.append(array)
     ks, vs = arrays
     if runner.scale_mode == "token" and ks.strides != vs.strides:
@@ -103,6 +105,7 @@ def rope_table(runner: "KernelRunner", cos_sin: Any, capacity: int) -> int:
     check.dtype("cos_sin", table, ("float32",))
     check.shape("cos_sin", table, (None, runner.head_dim // 2, 2), "[max_pos, D/2, 2]")
     check.contiguous("cos_sin", table)
+    check.aligned("cos_sin", table, 8)  # the kernel loads (cos, sin) pairs as float2
     if table.shape[0] < capacity:
         raise ValueError(f"cos_sin: expected a row for every cache position (max_pos >= "
                          f"S_max={capacity}), got max_pos={table.shape[0]}")
@@ -114,7 +117,7 @@ def host_positions(name: str, values: Any, batch: int, limit: int, what: str) ->
     them, must lie in [0, limit]; ``what`` says which limit (in the message)."""
     if values is None:
         return
-    host = np.asarray(values)
+    host = check.host_array(name, values)
     if host.shape != (batch,) or not np.issubdtype(host.dtype, np.integer):
         raise ValueError(f"{name}: expected {batch} integer lengths, got {host.dtype} "
                          f"{host.shape}")

@@ -34,9 +34,11 @@ class AppendPlan(KernelRunner):
                  kv_layout: str = "bnsh", scale_mode: str = "token",
                  scale_dtype: str = "float32", dtype: str = "float16", rope: str | None = None,
                  rope_theta: float = 10000.0, device: Device | None = None) -> None:
-        if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        num_kv_heads = check.integer("num_kv_heads", num_kv_heads)
+        num_q_heads = check.integer("num_q_heads", num_q_heads)
+        if num_kv_heads < 1:
             raise ValueError(f"num_kv_heads: expected a positive int, got {num_kv_heads!r}")
-        if not isinstance(num_q_heads, int) or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        if num_q_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads: expected a positive multiple of num_kv_heads="
                              f"{num_kv_heads}, got {num_q_heads!r}")
         check.choice("group size (num_q_heads // num_kv_heads)", num_q_heads // num_kv_heads,
@@ -103,8 +105,11 @@ class AppendPlan(KernelRunner):
                              "do to q; drop it or construct the plan with rope='neox'/'gptj'")
         labels = "[B, Hq, D]"
         query = bind.token_rows("q", q, self, self.num_q_heads, labels, batch)
-        out = query if q_out is None else bind.token_rows("q_out", q_out, self,
-                                                          self.num_q_heads, labels, batch)
+        out = query
+        if q_out is not None:
+            out = bind.token_rows("q_out", q_out, self, self.num_q_heads, labels, batch)
+            check.same_or_disjoint("q_out", out, "q", query)
+        check.no_internal_overlap("q" if q_out is None else "q_out", out)  # the rotated rows
         item = query.itemsize
         return query.ptr, out.ptr, (query.strides[0] // item, query.strides[1] // item,
                                     out.strides[0] // item, out.strides[1] // item)

@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..decode import validate as check
-from ..driver import Device, DeviceArray, as_device_array
+from ..driver import Device, DeviceArray
 from ..driver.stream import StreamLike
 from . import bind
 from .runner import KernelRunner
-from .variants import PROMPT_TOKENS_PER_CTA
+from .variants import DTYPES, PROMPT_TOKENS_PER_CTA, TOKEN_SCALE_DTYPES
 
 MAX_GRID_Y = 65535  # the batch is grid.y
 
@@ -28,7 +28,8 @@ class PromptQuantizer(KernelRunner):
                  dtype: str = "float16", rope: str | None = None, rope_theta: float = 10000.0,
                  device: Device | None = None) -> None:
         check.choice("prompt_layout", prompt_layout, ("bsnh", "bnsh"))
-        if isinstance(max_batch, int) and max_batch > MAX_GRID_Y:
+        max_batch = check.integer("max_batch", max_batch)
+        if max_batch > MAX_GRID_Y:
             raise ValueError(f"max_batch: expected at most {MAX_GRID_Y} (grid.y), got "
                              f"{max_batch}")
         super().__init__(num_kv_heads, head_dim, max_batch=max_batch, kv_layout=kv_layout,
@@ -95,9 +96,7 @@ class PromptQuantizer(KernelRunner):
             check.shape(name, array, (B, Hkv, S, D), "[B, Hkv, S, D]")
         check.inner_contiguous(name, array)
         check.aligned(name, array, 16, (0, 1, 2))
-        if array.shape[self._token_axis] >= 2**31:
-            raise ValueError(f"{name}: expected fewer than 2**31 tokens, got "
-                             f"{array.shape[self._token_axis]}")
+        check.int32_count(name, array.shape[self._token_axis], "tokens")
         return array
 
 
@@ -109,12 +108,17 @@ def quantize_prompt(k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_
     """One-off prompt quantization: infers the shapes and dtypes from ``k`` and ``k_scale``,
     builds a PromptQuantizer, runs it and returns it (read ``error_flags()`` from it). Reuse a
     PromptQuantizer instead when quantizing repeatedly: this allocates its error word."""
-    array = as_device_array(k)
+    array = check.device_array("k", k, None)  # k decides the device
+    check.dtype("k", array, DTYPES)
     if array.ndim != 4:
         raise ValueError(f"k: expected a 4-d prompt [B, S, Hkv, D] or [B, Hkv, S, D], got "
                          f"shape {array.shape}")
     heads = array.shape[2] if prompt_layout == "bsnh" else array.shape[1]
-    scale_dtype = as_device_array(k_scale).dtype.name if scale_mode == "token" else "float32"
+    scale_dtype = "float32"
+    if scale_mode == "token":
+        scale = check.device_array("k_scale", k_scale, array.device)
+        check.dtype("k_scale", scale, TOKEN_SCALE_DTYPES)
+        scale_dtype = scale.dtype.name
     quantizer = PromptQuantizer(heads, array.shape[3], max_batch=max(array.shape[0], 1),
                                 kv_layout=kv_layout, prompt_layout=prompt_layout,
                                 scale_mode=scale_mode, scale_dtype=scale_dtype,

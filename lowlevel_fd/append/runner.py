@@ -31,25 +31,29 @@ class KernelRunner:
     def __init__(self, num_kv_heads: int, head_dim: int, *, max_batch: int, kv_layout: str,
                  scale_mode: str, scale_dtype: str, dtype: str, rope: str | None,
                  rope_theta: float, device: Device | None) -> None:
+        head_dim = check.integer("head_dim", head_dim)
+        num_kv_heads = check.integer("num_kv_heads", num_kv_heads)
+        max_batch = check.integer("max_batch", max_batch)
         check.choice("head_dim", head_dim, HEAD_DIMS)
-        check.choice("dtype", dtype, DTYPES)
+        dtype = check.dtype_option("dtype", dtype, DTYPES)
         check.choice("kv_layout", kv_layout, KV_LAYOUTS)
         check.choice("scale_mode", scale_mode, SCALE_MODES)
-        check.choice("scale_dtype", scale_dtype,
-                     ("float32", "float16") if scale_mode == "token" else ("float32",))
+        scale_dtype = check.dtype_option(
+            "scale_dtype", scale_dtype,
+            ("float32", "float16") if scale_mode == "token" else ("float32",))
         check.choice("rope", rope, ROPE_STYLES)
-        if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        if num_kv_heads < 1:
             raise ValueError(f"num_kv_heads: expected a positive int, got {num_kv_heads!r}")
-        if not isinstance(max_batch, int) or max_batch < 1:
+        if max_batch < 1:
             raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
-        theta = float(rope_theta)
-        if not (np.isfinite(theta) and theta > 1.0):
+        theta = check.real("rope_theta", rope_theta)
+        if not theta > 1.0:
             raise ValueError(f"rope_theta: expected a finite base > 1, got {rope_theta!r}")
         self.num_kv_heads, self.head_dim, self.max_batch = num_kv_heads, head_dim, max_batch
         self.kv_layout, self.scale_mode, self.scale_dtype = kv_layout, scale_mode, scale_dtype
         self.dtype, self.rope, self.rope_theta = dtype, rope, theta
         self.variant = AppendVariant(head_dim, dtype, scale_mode, scale_dtype, rope)
-        self.device = device or Device(0)
+        self.device = check.device_option(device)
         self._params = AppendParams()
         self._params.num_kv_heads = num_kv_heads
         self._params.rope_theta = theta

@@ -20,6 +20,7 @@ def _kv_geometry(plan: "DecodePlan", k: Any, name: str) -> tuple[int, int, int, 
     else:
         check.shape(name, k, (B, None, Hkv, D), "[B, S_max, Hkv, D]")
         capacity, axes = k.shape[1], (0, 2, 1)
+    check.int32_count(name, capacity, "tokens of capacity")  # DecodeParams.capacity is int32
     check.inner_contiguous(name, k)
     check.aligned(name, k, 16, (0, 1, 2))
     return (capacity, *(k.strides[a] for a in axes))  # type: ignore[return-value]
@@ -57,6 +58,7 @@ def bind_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_cache: Any, v_
     check.dtype("out", out, (plan.q_dtype,))
     check.shape("out", out, (B, Hq, D), "[B, Hq, D]")
     check.inner_contiguous("out", out)
+    check.no_internal_overlap("out", out)
     k = check.device_array("k_cache", k_cache, device)
     v = check.device_array("v_cache", v_cache, device)
     check.dtype("k_cache", k, ("int8",))

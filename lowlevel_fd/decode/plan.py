@@ -51,12 +51,18 @@ class DecodePlan:
                  max_seq_len: int, q_dtype: str = "float16", kv_layout: str = "bnsh",
                  scale_mode: str = "token", scale_dtype: str = "float32",
                  sm_scale: float | None = None, device: Device | None = None) -> None:
+        num_q_heads = check.integer("num_q_heads", num_q_heads)
+        num_kv_heads = check.integer("num_kv_heads", num_kv_heads)
+        head_dim = check.integer("head_dim", head_dim)
+        max_batch = check.integer("max_batch", max_batch)
+        max_seq_len = check.integer("max_seq_len", max_seq_len)
         check.choice("head_dim", head_dim, HEAD_DIMS)
-        check.choice("q_dtype", q_dtype, ("float16", "bfloat16"))
+        q_dtype = check.dtype_option("q_dtype", q_dtype, ("float16", "bfloat16"))
         check.choice("kv_layout", kv_layout, KV_LAYOUTS)
         check.choice("scale_mode", scale_mode, SCALE_MODES)
-        check.choice("scale_dtype", scale_dtype,
-                     ("float32", "float16") if scale_mode == "token" else ("float32",))
+        scale_dtype = check.dtype_option(
+            "scale_dtype", scale_dtype,
+            ("float32", "float16") if scale_mode == "token" else ("float32",))
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
                              f"got {num_q_heads}")
@@ -70,8 +76,12 @@ class DecodePlan:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.q_dtype, self.kv_layout = q_dtype, kv_layout
         self.scale_mode, self.scale_dtype = scale_mode, scale_dtype
-        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        self.device = device or Device(0)
+        if sm_scale is not None:
+            sm_scale = check.real("sm_scale", sm_scale)
+            if sm_scale == 0.0:
+                raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+        self.device = check.device_option(device)
         self._workspace: dict[str, DeviceArray] = {}
         self._params = DecodeParams()
         self._split: PreparedLaunch | None = None
@@ -88,6 +98,8 @@ class DecodePlan:
         lengths up to the cache's capacity, but must be recaptured after re-planning."""
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
+        if config is not None:
+            check.tile_config(config)
         batch, longest = int(lengths.size), int(lengths.max())
         warps = config.num_warps if config else 8
         hopper = self.device.compute_capability >= (9, 0)

@@ -1,29 +1,118 @@
-"""Argument checks for DecodePlan.run: every problem is a ValueError/TypeError that names the
-argument, what was expected and what was given, raised before anything is launched."""
+"""Argument checks shared by the plans' constructors, ``plan()`` and ``run()``: every problem is
+a ValueError/TypeError that names the argument, what was expected and what was given, raised
+before anything is compiled, written or launched."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..driver import Device, DeviceArray, as_device_array, dtypes
+from .planner import MAX_CLUSTER, MAX_SPLITS, TileConfig
+
+NUM_WARPS = (2, 4, 8, 16)  # warps per CTA a TileConfig may ask for (512 threads at most)
 
 _DTYPES = {name: dtypes.as_dtype(name) for name in ("int8", "int32", "float16", "bfloat16",
                                                      "float32", "uint16")}
 
 
-def device_array(name: str, obj: Any, device: Device) -> DeviceArray:
+# -- constructor options -----------------------------------------------------------------------
+def integer(name: str, value: Any) -> int:
+    """``value`` as a Python int; bools, floats (even 8.0), strings and None are TypeErrors."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def real(name: str, value: Any) -> float:
+    """``value`` as a finite float; what is not a real number (str, None, bool) is a TypeError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return number
+
+
+def dtype_option(name: str, value: Any, allowed: Sequence[str]) -> str:
+    """A dtype given by name or as a numpy dtype, returned as the plain name that the variant
+    tables are keyed by."""
+    if not isinstance(value, (str, np.dtype)):
+        raise TypeError(f"{name}: expected a dtype name or numpy dtype ({' or '.join(allowed)}), "
+                        f"got {type(value).__name__} {value!r}")
+    try:
+        normalised = dtypes.as_dtype(value).name
+    except (TypeError, ValueError, SyntaxError):  # numpy's dtype parser raises all three
+        normalised = None
+    if normalised not in allowed:
+        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+    return normalised
+
+
+def device_option(device: Any) -> Device:
+    """The plan's device: a Device, or None for device 0. Like arrays, a device is taken by what
+    it offers: an object with an int ``ordinal`` and a ``compute_capability`` (a stand-in
+    that never reaches the driver) passes too."""
+    if device is None:
+        return Device(0)
+    if isinstance(device, Device) or (
+            isinstance(getattr(device, "ordinal", None), int)
+            and hasattr(device, "compute_capability")):
+        return device
+    raise TypeError(f"device: expected a lowlevel_fd.driver.Device (or None for device 0), "
+                    f"got {type(device).__name__} {device!r}")
+
+
+def tile_config(config: Any) -> None:
+    """A caller's TileConfig, checked before anything is compiled for it. Whether the device
+    can run a cluster is checked where the device is known."""
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config: expected a TileConfig, got {type(config).__name__}")
+    for field in ("num_warps", "num_splits", "min_split_tokens", "stages"):
+        integer(f"config.{field}", getattr(config, field))
+    for field in ("fused_merge", "cluster", "programmatic"):
+        if not isinstance(getattr(config, field), bool):
+            raise TypeError(f"config.{field}: expected a bool, got {getattr(config, field)!r}")
+    choice("config.num_warps", int(config.num_warps), NUM_WARPS)
+    if config.stages < 0 or config.stages == 1:  # decode.cu static_asserts STAGES >= 2
+        raise ValueError(f"config.stages: expected 0 (the head_dim's default) or at least 2, "
+                         f"got {config.stages}")
+    if not 1 <= config.num_splits <= MAX_SPLITS:
+        raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got {config.num_splits}")
+    if config.min_split_tokens < 16 or config.min_split_tokens % 16:
+        raise ValueError(f"config.min_split_tokens: expected a positive multiple of 16, "
+                         f"got {config.min_split_tokens}")
+    if config.cluster and config.num_splits > MAX_CLUSTER:
+        raise ValueError(f"config.cluster: a cluster holds 1..{MAX_CLUSTER} splits, got "
+                         f"{config.num_splits}")
+
+
+def choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
+    # Compares types too: 128.0 == 128 and True == 1, but neither may become a template argument.
+    if not any(type(value) is type(option) and value == option for option in allowed):
+        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+
+
+# -- arrays --------------------------------------------------------------------------------------
+def device_array(name: str, obj: Any, device: Device | None) -> DeviceArray:
+    """``obj`` as an open DeviceArray on ``device`` (None: any device) whose pointer and strides
+    are multiples of its element size: no kernel can load or store a misaligned element."""
     if obj is None:
         raise TypeError(f"{name}: expected a device array, got None")
     try:
         array = as_device_array(obj)
     except TypeError as exc:
         raise TypeError(f"{name}: {exc}") from None
+    except ValueError as exc:  # e.g. a foreign array whose pointer is host memory
+        raise ValueError(f"{name}: {exc}") from None
     if array.closed:
         raise ValueError(f"{name}: the array is closed (its memory was freed)")
-    if array.device is not device:
+    if device is not None and array.device is not device:
         raise ValueError(f"{name}: expected an array on device {device.ordinal}, "
                          f"got one on device {array.device.ordinal}")
+    aligned(name, array, array.itemsize, range(array.ndim))
     return array
 
 
@@ -59,6 +148,37 @@ def contiguous(name: str, array: DeviceArray) -> None:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {array.strides}")
 
 
+def no_internal_overlap(name: str, array: DeviceArray) -> None:
+    """A written array needs its own bytes for every element: no broadcast (stride 0) axis and
+    no axis that steps inside the span of the axes within it (CTAs would race on those bytes)."""
+    span = array.itemsize
+    for stride, extent in sorted((abs(s), n) for s, n in zip(array.strides, array.shape)
+                                 if n > 1):
+        if stride < span:
+            raise ValueError(f"{name}: is written, so its elements must not overlap; got shape "
+                             f"{array.shape} with byte strides {array.strides}")
+        span = stride * extent
+
+
+def same_or_disjoint(name: str, array: DeviceArray, other_name: str, other: DeviceArray) -> None:
+    """``array`` is ``other`` (same memory, same layout: in place) or shares none of its bytes."""
+    if (array.ptr, array.shape, array.strides) == (other.ptr, other.shape, other.strides):
+        return
+    (low, length), (other_low, other_length) = array._span(), other._span()
+    start, other_start = array.ptr + low, other.ptr + other_low
+    if length and other_length and start < other_start + other_length \
+            and other_start < start + length:
+        raise ValueError(f"{name}: expected {other_name} itself or memory disjoint from it, got "
+                         f"bytes [{start:#x}, {start + length:#x}) overlapping {other_name}'s "
+                         f"[{other_start:#x}, {other_start + other_length:#x})")
+
+
+def int32_count(name: str, count: int, what: str) -> None:
+    """The kernels index with int32: a count of 2**31 or more would wrap negative."""
+    if count >= 2**31:
+        raise ValueError(f"{name}: expected fewer than 2**31 {what}, got {count}")
+
+
 def aligned(name: str, array: DeviceArray, nbytes: int = 16, axes: Sequence[int] = ()) -> None:
     """The base pointer and the byte strides of ``axes`` must be multiples of ``nbytes``
     (the kernels load 16-byte vectors)."""
@@ -75,7 +195,7 @@ def host_lengths(name: str, seq_lens: Any, max_batch: int, max_seq_len: int) -> 
     """Host copy of planned lengths: 1-D, integer, 1 <= B <= max_batch, 0 <= len <= max."""
     if isinstance(seq_lens, DeviceArray) or hasattr(seq_lens, "__cuda_array_interface__"):
         raise TypeError(f"{name}: plan() needs host lengths (list or numpy), got a device array")
-    lengths = np.asarray(seq_lens)
+    lengths = host_array(name, seq_lens)
     if lengths.ndim != 1 or lengths.size == 0:
         raise ValueError(f"{name}: expected a non-empty 1-D sequence of lengths, got shape "
                          f"{lengths.shape}")
@@ -90,6 +210,10 @@ def host_lengths(name: str, seq_lens: Any, max_batch: int, max_seq_len: int) -> 
     return lengths.astype(np.int64)
 
 
-def choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+def host_array(name: str, values: Any) -> np.ndarray:
+    """Host lengths as a numpy array; what numpy cannot read as one (ragged lists) is named."""
+    try:
+        return np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: expected a 1-D sequence of integer lengths, got a "
+                         f"{type(values).__name__} numpy cannot read as an array ({exc})") from None

@@ -18,6 +18,8 @@ _HINTS = {
     "CUDA_ERROR_OUT_OF_MEMORY": "free device memory (close plans and arrays) or use smaller sizes",
     "CUDA_ERROR_ILLEGAL_ADDRESS": "a kernel touched memory it does not own; the context is now "
     "unusable and the process must restart",
+    "CUDA_ERROR_MISALIGNED_ADDRESS": "a pointer is not aligned to its element size; the context "
+    "is now unusable and the process must restart",
     "CUDA_ERROR_LAUNCH_FAILED": "a kernel faulted; the context is unusable, restart the process",
     "CUDA_ERROR_INVALID_IMAGE": "the CUBIN does not match this GPU's architecture",
     "CUDA_ERROR_NO_BINARY_FOR_GPU": "recompile for this device's arch (lowlevel_fd compile --arch)",

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import dtypes
-from ._api import cu, raw
+from ._api import CudaError, cu, raw
 from .device import Device
 from .stream import StreamLike, stream_handle
 
@@ -308,11 +308,21 @@ def _device_of_pointer(ptr: int) -> Device:
     return Device(int(ordinal))
 
 
+_INTERFACE_KEYS = ("shape", "typestr", "data")  # what _from_interface reads
+
+
 def _from_interface(obj: Any, interface: dict) -> DeviceArray:
+    if not isinstance(interface, dict) or any(key not in interface for key in _INTERFACE_KEYS):
+        raise TypeError(f"expected a __cuda_array_interface__ dict with 'shape', 'typestr' and "
+                        f"'data', got {type(obj).__name__}'s {interface!r}")
     ptr = int(interface["data"][0])
     shape = tuple(interface["shape"])
     dtype = dtypes.from_typestr(interface["typestr"])
-    device = _device_of_pointer(ptr) if ptr else Device(0)
+    try:
+        device = _device_of_pointer(ptr) if ptr else Device(0)
+    except CudaError as exc:
+        raise ValueError(f"pointer {ptr:#x} of {type(obj).__name__} is not device memory "
+                         f"(cuPointerGetAttribute: {exc.name}); pass a CUDA array") from None
     return DeviceArray(ptr, shape, dtype, device, interface.get("strides"), owner=obj)
 
 
