@@ -58,6 +58,8 @@ def test_ragged_batch_with_empty_rows(rng, stream, kv_layout):
     TileConfig(num_warps=8, num_splits=8, cluster=True),
     TileConfig(num_warps=4, num_splits=3, stages=4),
     TileConfig(num_warps=8, num_splits=2, stages=3, fused_merge=False),
+    TileConfig(num_warps=8, num_splits=8, min_split_tokens=256, cluster=True, tiles=2),
+    TileConfig(num_warps=4, num_splits=3, stages=3, tiles=2),
 ])
 def test_forced_tile_configs(rng, stream, config):
     case = Case.random(rng, [4097, 1, 300, 2048])

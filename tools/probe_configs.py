@@ -56,7 +56,7 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
         print(f"B={batch:4d} S={length:6d} L={num_layers:2d} warps={d['num_warps']} "
               f"splits={d['num_splits']:3d} min={d['min_split_tokens']:4d} "
               f"stages={d['stages']} fused={int(d['fused_merge'])} cl={int(d['cluster'])} "
-              f"pdl={int(d['programmatic'])} occ={d['ctas_per_sm']} "
+              f"pdl={int(d['programmatic'])} tok={d['tile_tokens']} occ={d['ctas_per_sm']} "
               f"regs={d['registers']}  {med:8.2f} us  "
               f"{kv / med / 1e3:7.0f} GB/s", flush=True)
         graph.close()
@@ -71,8 +71,9 @@ def parse_configs(text: str) -> list[TileConfig | None]:
             configs.append(None)
             continue
         w, sp, mn, st, fu, *flags = (int(x) for x in item.split(","))
-        cluster, programmatic = (flags + [0, 1][len(flags):])[:2]
-        configs.append(TileConfig(w, sp, mn, bool(fu), st, bool(cluster), bool(programmatic)))
+        cluster, programmatic, tiles = (flags + [0, 1, 1][len(flags):])[:3]
+        configs.append(TileConfig(w, sp, mn, bool(fu), st, bool(cluster), bool(programmatic),
+                                  tiles))
     return configs
 
 

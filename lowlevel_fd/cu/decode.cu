@@ -53,13 +53,15 @@ __device__ __forceinline__ float scale_value(const char* address) {
 
 // Plain C++ loads (not asm) so the compiler may schedule them; cp_async_wait's "memory"
 // clobber and __syncwarp keep them after the copies have landed.
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT>
-__device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stage, int g, int c) {
+// Sub-tile `sub` (16 tokens) of a stage that holds TILES of them.
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
+__device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stage, int sub, int g,
+                                          int c) {
   using G = Geometry<HEAD_DIM>;
-  using S = Stage<HEAD_DIM, ScaleT>;
+  using S = Stage<HEAD_DIM, ScaleT, TILES>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = 8 * half + g;
+    const int row = 16 * sub + 8 * half + g;
 #pragma unroll
     for (int u = 0; u < G::kKVectors; ++u) {
       const uint4 w = *reinterpret_cast<const uint4*>(
@@ -74,7 +76,7 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
   }
 #pragma unroll
   for (int slot = 0; slot < 4; ++slot) {
-    const int row = 2 * c + (slot & 1) + 8 * (slot >> 1);
+    const int row = 16 * sub + 2 * c + (slot & 1) + 8 * (slot >> 1);
     const char* base = stage + S::kV + row * HEAD_DIM;
     if constexpr (HEAD_DIM == 64) {
       const uint2 w = *reinterpret_cast<const uint2*>(base + 16 * S::v_chunk(row, g >> 1) +
@@ -253,8 +255,10 @@ __device__ void cluster_merge(const DecodeParams& p, int b, int kvh, int active,
 // CLUSTER: the CTAs of one (batch, kv head) form a thread-block cluster (grid.y = cluster size =
 // num_splits) and merge their partials through distributed shared memory, with no global
 // round trips; otherwise the last CTA to arrive merges through global memory.
+// TILES: 16-token tiles per step of a warp. Two give each warp two independent QK chains and
+// one softmax reduction per 32 tokens (more work in flight per warp when warps are few).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES, bool CLUSTER>
+          int STAGES, bool CLUSTER, int TILES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
@@ -262,7 +266,8 @@ decode_split(const __grid_constant__ DecodeParams p) {
   static_assert(STAGES >= 2, "at least double buffering");
   constexpr int kBlocks = GROUP > 8 ? 2 : 1;  // head blocks of 8 (the mma's N)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
-  using S = Stage<HEAD_DIM, ScaleT>;
+  using S = Stage<HEAD_DIM, ScaleT, TILES>;
+  static_assert(TILES == 1 || TILES == 2, "one or two tiles per step");
   // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
   // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32) and then for the split merge.
   extern __shared__ __align__(16) float smem[];
@@ -352,14 +357,14 @@ decode_split(const __grid_constant__ DecodeParams p) {
 
   // ---- load: STAGES - 1 tiles ahead of the math, per warp ----
   const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
-  constexpr int kStep = 16 * NUM_WARPS;
-  const int first = start + 16 * warp;
+  constexpr int kStep = 16 * TILES * NUM_WARPS;
+  const int first = start + 16 * TILES * warp;
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (first + st * kStep < end)
-      issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + st * S::kBytes, k_base, v_base, ks_tokens,
-                                                 vs_tokens, p.kv_token_stride, first + st * kStep,
-                                                 end, lane);
+      issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(pipe + st * S::kBytes, k_base, v_base,
+                                                        ks_tokens, vs_tokens, p.kv_token_stride,
+                                                        first + st * kStep, end, lane);
     cp_async_commit();  // empty groups keep the group count uniform
   }
   int stage = 0;
@@ -369,83 +374,116 @@ decode_split(const __grid_constant__ DecodeParams p) {
       const int t_issue = t0 + (STAGES - 1) * kStep;
       const int issue_stage = stage == 0 ? STAGES - 1 : stage - 1;
       if (t_issue < end)
-        issue_tile<HEAD_DIM, kTokenScales, ScaleT>(pipe + issue_stage * S::kBytes, k_base, v_base,
-                                                   ks_tokens, vs_tokens, p.kv_token_stride,
-                                                   t_issue, end, lane);
+        issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(
+            pipe + issue_stage * S::kBytes, k_base, v_base, ks_tokens, vs_tokens,
+            p.kv_token_stride, t_issue, end, lane);
       cp_async_commit();
     }
-    cp_async_wait<STAGES - 1>();  // the tile of t0 has landed (this lane's part)
+    cp_async_wait<STAGES - 1>();  // the tiles of t0 have landed (this lane's part)
     __syncwarp();                 // ... and every other lane's part is visible
-    Tile<HEAD_DIM> cur;
-    read_tile<HEAD_DIM, kTokenScales, ScaleT>(
-        cur, reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes, g, c);
+    Tile<HEAD_DIM> cur[TILES];
+    const char* stage_base =
+        reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes;
+#pragma unroll
+    for (int sub = 0; sub < TILES; ++sub)
+      read_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(cur[sub], stage_base, sub, g, c);
 
     // ---- score: S^T = K Q^T, rows tokens g and g+8, columns heads 2c, 2c+1 (per block) ----
-    // Even and odd k-steps accumulate separately: two independent mma chains per block.
-    float s[kBlocks][4], s_odd[kBlocks][4];
+    // Even and odd k-steps of every sub-tile accumulate separately: 2 x TILES independent mma
+    // chains per head block.
+    float s[TILES][kBlocks][4], s_odd[TILES][kBlocks][4];
 #pragma unroll
-    for (int hb = 0; hb < kBlocks; ++hb)
+    for (int sub = 0; sub < TILES; ++sub)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[hb][i] = s_odd[hb][i] = 0.f;
+      for (int hb = 0; hb < kBlocks; ++hb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[sub][hb][i] = s_odd[sub][hb][i] = 0.f;
 #pragma unroll
     for (int j = 0; j < G::kChunks; ++j) {
-      uint32_t a[4];
-      unpack_word(cur.k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
-      unpack_word(cur.k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
 #pragma unroll
-      for (int hb = 0; hb < kBlocks; ++hb) {
-        uint32_t q0, q1;
-        if constexpr (kQueryInShared) {
-          const uint2 q2 = query_shared[hb * G::kChunks + j][lane];
-          q0 = q2.x; q1 = q2.y;
-        } else {
-          q0 = qb[hb][j][0]; q1 = qb[hb][j][1];
+      for (int sub = 0; sub < TILES; ++sub) {
+        uint32_t a[4];
+        unpack_word(cur[sub].k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
+        unpack_word(cur[sub].k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
+#pragma unroll
+        for (int hb = 0; hb < kBlocks; ++hb) {
+          uint32_t q0, q1;
+          if constexpr (kQueryInShared) {
+            const uint2 q2 = query_shared[hb * G::kChunks + j][lane];
+            q0 = q2.x; q1 = q2.y;
+          } else {
+            q0 = qb[hb][j][0]; q1 = qb[hb][j][1];
+          }
+          mma_16x8x16(j % 2 ? s_odd[sub][hb] : s[sub][hb], a, q0, q1);
         }
-        mma_16x8x16(j % 2 ? s_odd[hb] : s[hb], a, q0, q1);
       }
     }
-    // ---- softmax: scale, mask, online max/sum per head in base 2 ----
-    const bool valid[2] = {t0 + g < end, t0 + g + 8 < end};
+    // ---- softmax: scale, mask, online max/sum per head in base 2, once per step ----
     float correction[kBlocks][2];
 #pragma unroll
     for (int hb = 0; hb < kBlocks; ++hb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int token = i >> 1, col = i & 1;
-        float scale = col_const[hb][col];
-        if constexpr (kTokenScales) scale *= cur.k_scale[token];
-        s[hb][i] = valid[token] ? (s[hb][i] + s_odd[hb][i]) * scale : kNegInf;
-      }
+      for (int sub = 0; sub < TILES; ++sub)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int token = i >> 1, col = i & 1;
+          const bool valid = t0 + 16 * sub + g + 8 * token < end;
+          float scale = col_const[hb][col];
+          if constexpr (kTokenScales) scale *= cur[sub].k_scale[token];
+          s[sub][hb][i] = valid ? (s[sub][hb][i] + s_odd[sub][hb][i]) * scale : kNegInf;
+        }
 #pragma unroll
       for (int col = 0; col < 2; ++col) {
-        const float tile_max = warp_max_xor_from(fmaxf(s[hb][col], s[hb][2 + col]), 4, 16);
-        const float new_max = fmaxf(col_max[hb][col], tile_max);
-        correction[hb][col] = fast_exp2(col_max[hb][col] - new_max);  // 0 on the first tile
+        float local = kNegInf;
+#pragma unroll
+        for (int sub = 0; sub < TILES; ++sub)
+          local = fmaxf(local, fmaxf(s[sub][hb][col], s[sub][hb][2 + col]));
+        const float new_max = fmaxf(col_max[hb][col], warp_max_xor_from(local, 4, 16));
+        correction[hb][col] = fast_exp2(col_max[hb][col] - new_max);  // 0 on the first step
         col_max[hb][col] = new_max;
-        s[hb][col] = fast_exp2(s[hb][col] - new_max);
-        s[hb][2 + col] = fast_exp2(s[hb][2 + col] - new_max);
-        col_sum[hb][col] = col_sum[hb][col] * correction[hb][col] + s[hb][col] + s[hb][2 + col];
+        float sum = col_sum[hb][col] * correction[hb][col];
+#pragma unroll
+        for (int sub = 0; sub < TILES; ++sub) {
+          s[sub][hb][col] = fast_exp2(s[sub][hb][col] - new_max);
+          s[sub][hb][2 + col] = fast_exp2(s[sub][hb][2 + col] - new_max);
+          sum += s[sub][hb][col] + s[sub][hb][2 + col];
+        }
+        col_sum[hb][col] = sum;
       }
     }
-    float ratio[2] = {1.f, 1.f};
+    float ratio[TILES][2];
+#pragma unroll
+    for (int sub = 0; sub < TILES; ++sub) ratio[sub][0] = ratio[sub][1] = 1.f;
     if constexpr (kTokenScales) {
-      const float tile_ref = warp_max_xor_from(fmaxf(cur.v_scale[0], cur.v_scale[1]), 4, 16);
-      const float new_ref = tile_ref > 0.f ? tile_ref : v_ref;
+      float local = 0.f;
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+        local = fmaxf(local, fmaxf(cur[sub].v_scale[0], cur[sub].v_scale[1]));
+      const float step_ref = warp_max_xor_from(local, 4, 16);
+      const float new_ref = step_ref > 0.f ? step_ref : v_ref;
       const float inv_ref = 1.f / new_ref;
-      ratio[0] = cur.v_scale[0] * inv_ref;
-      ratio[1] = cur.v_scale[1] * inv_ref;
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub) {
+        ratio[sub][0] = cur[sub].v_scale[0] * inv_ref;
+        ratio[sub][1] = cur[sub].v_scale[1] * inv_ref;
+      }
       const float ref_change = v_ref * inv_ref;
 #pragma unroll
       for (int hb = 0; hb < kBlocks; ++hb)
         correction[hb][0] *= ref_change, correction[hb][1] *= ref_change;
       v_ref = new_ref;
     }
-    // ---- accumulate: O^T = O^T * correction + V^T P^T ----
-    uint32_t pb[kBlocks][2];
+    // ---- accumulate: O^T = O^T * correction + sum over sub-tiles of V^T P^T ----
+    uint32_t pb[TILES][kBlocks][2];
 #pragma unroll
     for (int hb = 0; hb < kBlocks; ++hb) {
-      pb[hb][0] = transpose_8x8(pack2<f16>(s[hb][0] * ratio[0], s[hb][1] * ratio[0]));
-      pb[hb][1] = transpose_8x8(pack2<f16>(s[hb][2] * ratio[1], s[hb][3] * ratio[1]));
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub) {
+        pb[sub][hb][0] = transpose_8x8(pack2<f16>(s[sub][hb][0] * ratio[sub][0],
+                                                  s[sub][hb][1] * ratio[sub][0]));
+        pb[sub][hb][1] = transpose_8x8(pack2<f16>(s[sub][hb][2] * ratio[sub][1],
+                                                  s[sub][hb][3] * ratio[sub][1]));
+      }
 #pragma unroll
       for (int mb = 0; mb < G::kMBlocks; ++mb) {
         acc[hb][mb][0] *= correction[hb][0]; acc[hb][mb][2] *= correction[hb][0];
@@ -453,11 +491,13 @@ decode_split(const __grid_constant__ DecodeParams p) {
       }
     }
 #pragma unroll
-    for (int w = 0; w < G::kVWords; ++w) {
-      const uint32_t va = cur.v[0][w] ^ 0x80808080u, vb = cur.v[1][w] ^ 0x80808080u;
-      const uint32_t vc = cur.v[2][w] ^ 0x80808080u, vd = cur.v[3][w] ^ 0x80808080u;
-      const uint32_t ab_lo = prmt(va, vb, 0x5140u), ab_hi = prmt(va, vb, 0x7362u);
-      const uint32_t cd_lo = prmt(vc, vd, 0x5140u), cd_hi = prmt(vc, vd, 0x7362u);
+    for (int sub = 0; sub < TILES; ++sub) {
+#pragma unroll
+      for (int w = 0; w < G::kVWords; ++w) {
+        const uint32_t va = cur[sub].v[0][w] ^ 0x80808080u, vb = cur[sub].v[1][w] ^ 0x80808080u;
+        const uint32_t vc = cur[sub].v[2][w] ^ 0x80808080u, vd = cur[sub].v[3][w] ^ 0x80808080u;
+        const uint32_t ab_lo = prmt(va, vb, 0x5140u), ab_hi = prmt(va, vb, 0x7362u);
+        const uint32_t cd_lo = prmt(vc, vd, 0x5140u), cd_hi = prmt(vc, vd, 0x7362u);
 #define LLFD_PV_BLOCK(I)                                                                  \
   {                                                                                       \
     const uint32_t a[4] = {pair_from_interleaved<2 * I>(ab_lo, ab_hi),                    \
@@ -465,10 +505,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
                            pair_from_interleaved<2 * I>(cd_lo, cd_hi),                    \
                            pair_from_interleaved<2 * I + 1>(cd_lo, cd_hi)};               \
     _Pragma("unroll") for (int hb = 0; hb < kBlocks; ++hb)                                \
-        mma_16x8x16(acc[hb][2 * w + I], a, pb[hb][0], pb[hb][1]);                         \
+        mma_16x8x16(acc[hb][2 * w + I], a, pb[sub][hb][0], pb[sub][hb][1]);               \
   }
-      LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1)
+        LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1)
 #undef LLFD_PV_BLOCK
+      }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
     stage = stage + 1 == STAGES ? 0 : stage + 1;

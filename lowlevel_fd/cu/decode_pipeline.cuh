@@ -15,12 +15,13 @@
 
 namespace llfd {
 
-template <int HEAD_DIM, typename ScaleT>
+template <int HEAD_DIM, typename ScaleT, int TILES = 1>
 struct Stage {
+  static constexpr int kRows = 16 * TILES;  // tokens per stage: TILES 16-token tiles
   static constexpr int kRowChunks = HEAD_DIM / 16;
-  static constexpr int kK = 0, kV = 16 * HEAD_DIM, kKScale = 32 * HEAD_DIM;
-  static constexpr int kVScale = kKScale + 16 * static_cast<int>(sizeof(ScaleT));
-  static constexpr int kBytes = kVScale + 16 * static_cast<int>(sizeof(ScaleT));
+  static constexpr int kK = 0, kV = kRows * HEAD_DIM, kKScale = 2 * kRows * HEAD_DIM;
+  static constexpr int kVScale = kKScale + kRows * static_cast<int>(sizeof(ScaleT));
+  static constexpr int kBytes = kVScale + kRows * static_cast<int>(sizeof(ScaleT));
 
   __device__ static __forceinline__ int k_chunk(int row, int chunk) {
     return HEAD_DIM >= 128 ? chunk ^ (4 * (row & 1)) : chunk;
@@ -32,17 +33,17 @@ struct Stage {
   }
 };
 
-// Issue the copies of tokens [t0, t0 + 16) into the stage at `stage` (a shared address).
-// Rows past `end` re-read row end - 1 (in bounds, initialised) and are masked by the math;
-// scales past `end` are zero-filled without reading memory.
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT>
+// Issue the copies of tokens [t0, t0 + 16 * TILES) into the stage at `stage` (a shared
+// address). Rows past `end` re-read row end - 1 (in bounds, initialised) and are masked by the
+// math; scales past `end` are zero-filled without reading memory.
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
 __device__ __forceinline__ void issue_tile(uint32_t stage, const int8_t* k_base,
                                            const int8_t* v_base, const ScaleT* ks_base,
                                            const ScaleT* vs_base, int64_t token_stride, int t0,
                                            int end, int lane) {
-  using S = Stage<HEAD_DIM, ScaleT>;
+  using S = Stage<HEAD_DIM, ScaleT, TILES>;
 #pragma unroll
-  for (int i = 0; i < HEAD_DIM / 32; ++i) {
+  for (int i = 0; i < TILES * HEAD_DIM / 32; ++i) {
     const int index = lane + 32 * i, row = index / S::kRowChunks, chunk = index % S::kRowChunks;
     const int64_t offset = min(t0 + row, end - 1) * token_stride + 16 * chunk;
     cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk), k_base + offset);
@@ -53,11 +54,15 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, const int8_t* k_base,
     constexpr int kPerLane = 4 / sizeof(ScaleT), kLanes = 16 / kPerLane;
     if (lane < 2 * kLanes) {
       const bool is_v = lane >= kLanes;
-      const int t = t0 + kPerLane * (lane % kLanes);
-      const int valid = max(0, min(kPerLane, end - t));
-      const ScaleT* src = (is_v ? vs_base : ks_base) + (valid ? t : 0);
-      cp_async_4(stage + (is_v ? S::kVScale : S::kKScale) + 4 * (lane % kLanes), src,
-                 valid * static_cast<int>(sizeof(ScaleT)));
+#pragma unroll
+      for (int tile = 0; tile < TILES; ++tile) {
+        const int t = t0 + 16 * tile + kPerLane * (lane % kLanes);
+        const int valid = max(0, min(kPerLane, end - t));
+        const ScaleT* src = (is_v ? vs_base : ks_base) + (valid ? t : 0);
+        cp_async_4(stage + (is_v ? S::kVScale : S::kKScale) +
+                       16 * tile * static_cast<int>(sizeof(ScaleT)) + 4 * (lane % kLanes),
+                   src, valid * static_cast<int>(sizeof(ScaleT)));
+      }
     }
   }
 }

@@ -104,7 +104,8 @@ class DecodePlan:
         warps = config.num_warps if config else 8
         hopper = self.device.compute_capability >= (9, 0)
         variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
-                                self.scale_dtype, warps, config.stages if config else 0)
+                                self.scale_dtype, warps, config.stages if config else 0,
+                                tiles=config.tiles if config else 1)
         split, combine = load_variant(variant, self.device)
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if config is None:

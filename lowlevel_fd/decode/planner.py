@@ -39,6 +39,7 @@ class TileConfig:
     stages: int = 0  # tiles in flight per warp; 0 picks the head_dim's default
     cluster: bool = False  # merge the splits inside a thread-block cluster (sm_90, <= 16)
     programmatic: bool = True  # programmatic dependent launch (sm_90; ignored before)
+    tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
 
 
 @dataclass(frozen=True)

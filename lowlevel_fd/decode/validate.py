@@ -76,6 +76,8 @@ def tile_config(config: Any) -> None:
         if not isinstance(getattr(config, field), bool):
             raise TypeError(f"config.{field}: expected a bool, got {getattr(config, field)!r}")
     choice("config.num_warps", int(config.num_warps), NUM_WARPS)
+    integer("config.tiles", config.tiles)
+    choice("config.tiles", int(config.tiles), (1, 2))
     if config.stages < 0 or config.stages == 1:  # decode.cu static_asserts STAGES >= 2
         raise ValueError(f"config.stages: expected 0 (the head_dim's default) or at least 2, "
                          f"got {config.stages}")

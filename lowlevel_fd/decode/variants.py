@@ -38,6 +38,7 @@ class DecodeVariant:
     num_warps: int = 4
     stages: int = 0  # 0: default_stages(head_dim)
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
+    tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -47,14 +48,14 @@ class DecodeVariant:
     def stage_bytes(self) -> int:
         """One 16-token tile of K and V plus 16 K and 16 V scales (cu/decode_pipeline.cuh)."""
         scale_size = 2 if self.scale_mode == "token" and self.scale_dtype == "float16" else 4
-        return 32 * self.head_dim + 32 * scale_size
+        return self.tiles * (32 * self.head_dim + 32 * scale_size)
 
     @property
     def split_kernel(self) -> str:
         scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
                 f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}, "
-                f"{'true' if self.cluster else 'false'}>")
+                f"{'true' if self.cluster else 'false'}, {self.tiles}>")
 
     @property
     def combine_kernel(self) -> str:
