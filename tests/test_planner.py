@@ -11,7 +11,7 @@ from lowlevel_fd.decode import DecodeVariant, shipped_variants
 from lowlevel_fd.decode.planner import (MAX_CLUSTER, MAX_PORTABLE_SPLITS, MAX_SPLITS,
                                         SPLIT_TOKENS, TileConfig, Workload, choose,
                                         default_min_split_tokens, workspace_pairs_bound)
-from lowlevel_fd.decode.variants import GROUP_SIZES, HEAD_DIMS, Q_DTYPES
+from lowlevel_fd.decode.variants import default_stages, GROUP_SIZES, HEAD_DIMS, Q_DTYPES
 
 H100_SMS, A100_SMS = 132, 108
 LENGTHS = (1, 15, 16, 127, 128, 129, 500, 1024, 2047, 4096, 8191, 32768, 131072)
@@ -166,18 +166,23 @@ def test_variant_launch_shape_fits_the_gpus(variant):
         assert variant.dynamic_shared_bytes <= SM80_SHARED_OPTIN
 
 
-@pytest.mark.parametrize("num_warps", [(4,), (2, 4, 8)])
+@pytest.mark.parametrize("num_warps", [(8,), (2, 4, 8)])
 def test_shipped_variants_cover_the_support_matrix_once(num_warps):
     variants = list(shipped_variants(num_warps))
     assert len(set(variants)) == len(variants)
     assert len({v.split_kernel for v in variants}) == len(variants)
     assert all(v.scale_dtype == "float32" for v in variants if v.scale_mode != "token")
-    # Per head_dim, group, q dtype and warp count: tensor, head, token fp32, token fp16 scales.
-    matrix = {(v.head_dim, v.group_size, v.q_dtype, v.scale_mode, v.scale_dtype, v.num_warps)
-              for v in variants}
-    expected = {(d, g, q, mode, sd, w)
+    # Per head_dim, group, q dtype and warp count: tensor, head, token fp32, token fp16 scales,
+    # each with a cluster and a global merge.
+    single = {(v.head_dim, v.group_size, v.q_dtype, v.scale_mode, v.scale_dtype, v.num_warps,
+               v.cluster) for v in variants if v.tiles == 1}
+    modes = (("tensor", "float32"), ("head", "float32"), ("token", "float32"),
+             ("token", "float16"))
+    expected = {(d, g, q, mode, sd, w, cluster)
                 for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES, num_warps)
-                for mode, sd in (("tensor", "float32"), ("head", "float32"),
-                                 ("token", "float32"), ("token", "float16"))}
-    assert matrix == expected
-    assert DecodeVariant(128, 4, "float16", "token", "float32") in variants
+                for mode, sd in modes for cluster in (False, True)}
+    assert single == expected
+    # The planner's two-tile configurations exist for head_dim <= 128 only.
+    two = {(v.head_dim, v.num_warps, v.stages) for v in variants if v.tiles == 2}
+    assert two == {(d, 8, default_stages(d)) for d in (64, 128)} | {(d, 4, 3) for d in (64, 128)}
+    assert DecodeVariant(128, 4, "float16", "token", "float32", 8) in variants

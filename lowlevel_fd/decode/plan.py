@@ -101,23 +101,24 @@ class DecodePlan:
         if config is not None:
             check.tile_config(config)
         batch, longest = int(lengths.size), int(lengths.max())
-        warps = config.num_warps if config else 8
         hopper = self.device.compute_capability >= (9, 0)
-        variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
-                                self.scale_dtype, warps, config.stages if config else 0,
-                                tiles=config.tiles if config else 1)
-        split, combine = load_variant(variant, self.device)
-        ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if config is None:
             config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
-                                     ctas_per_sm, self.group_size), num_warps=warps, stages=variant.stages,
-                            clusters=hopper)
+                                     0, self.group_size, self.head_dim), clusters=hopper)
+        variant = DecodeVariant(self.head_dim, self.group_size, self.q_dtype, self.scale_mode,
+                                self.scale_dtype, config.num_warps, config.stages,
+                                tiles=config.tiles)
         if config.cluster:
             if not hopper or not 1 <= config.num_splits <= MAX_CLUSTER:
                 raise ValueError(f"config.cluster: needs sm_90+ and 1..{MAX_CLUSTER} splits, "
                                  f"got {self.device.arch} and {config.num_splits} splits")
             variant = replace(variant, cluster=True)
-            split, combine = load_variant(variant, self.device)
+        if variant.dynamic_shared_bytes > self.device.info.max_shared_per_block_optin:
+            raise ValueError(f"config: {variant.dynamic_shared_bytes} bytes of shared memory per "
+                             f"CTA exceed the device's {self.device.info.max_shared_per_block_optin}"
+                             f" (fewer warps, stages or tiles)")
+        split, combine = load_variant(variant, self.device)
+        ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if not 1 <= config.num_splits <= MAX_SPLITS:
             raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got "
                              f"{config.num_splits}")
@@ -149,7 +150,8 @@ class DecodePlan:
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
-            "tile_tokens": 16, "num_warps": warps, "stages": variant.stages,
+            "tile_tokens": 16 * variant.tiles, "num_warps": variant.num_warps,
+            "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
             "programmatic": config.programmatic and hopper,
             "launches": 1 + (self._combine is not None),

@@ -79,11 +79,17 @@ class DecodeVariant:
                               (self.split_kernel, self.combine_kernel))
 
 
-def shipped_variants(num_warps: tuple[int, ...] = (4,)) -> Iterator[DecodeVariant]:
-    """Every variant the plan can pick from (the CI compiles all of them)."""
-    for dim, group, q_dtype, warps in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES,
-                                                        num_warps):
+def shipped_variants(num_warps: tuple[int, ...] = (8,)) -> Iterator[DecodeVariant]:
+    """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps
+    with one tile per step, and for head_dim <= 128 the two-tile configurations it uses when
+    there are very few (sequence, kv head) pairs; each with a cluster or a global merge."""
+    for dim, group, q_dtype in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES):
+        shapes = [dict(num_warps=w) for w in num_warps]
+        if dim <= 128:
+            shapes += [dict(num_warps=8, tiles=2), dict(num_warps=4, stages=3, tiles=2)]
         for mode in SCALE_MODES:
             for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
-                yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps)
-                yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype, warps, cluster=True)
+                for shape in shapes:
+                    for cluster in (False, True):
+                        yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
+                                            cluster=cluster, **shape)
