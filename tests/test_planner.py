@@ -11,7 +11,7 @@ from lowlevel_fd.decode import DecodeVariant, shipped_variants
 from lowlevel_fd.decode.planner import (MAX_CLUSTER, MAX_PORTABLE_SPLITS, MAX_SPLITS,
                                         SPLIT_TOKENS, TileConfig, Workload, choose,
                                         default_min_split_tokens, workspace_pairs_bound)
-from lowlevel_fd.decode.variants import default_stages, GROUP_SIZES, HEAD_DIMS, Q_DTYPES
+from lowlevel_fd.decode.variants import GROUP_SIZES, HEAD_DIMS, Q_DTYPES
 
 H100_SMS, A100_SMS = 132, 108
 LENGTHS = (1, 15, 16, 127, 128, 129, 500, 1024, 2047, 4096, 8191, 32768, 131072)
@@ -182,7 +182,5 @@ def test_shipped_variants_cover_the_support_matrix_once(num_warps):
                 for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES, num_warps)
                 for mode, sd in modes for cluster in (False, True)}
     assert single == expected
-    # The planner's two-tile configurations exist for head_dim <= 128 only.
-    two = {(v.head_dim, v.num_warps, v.stages) for v in variants if v.tiles == 2}
-    assert two == {(d, 8, default_stages(d)) for d in (64, 128)} | {(d, 4, 3) for d in (64, 128)}
+    assert all(v.tiles == 1 for v in variants)
     assert DecodeVariant(128, 4, "float16", "token", "float32", 8) in variants

@@ -80,13 +80,11 @@ class DecodeVariant:
 
 
 def shipped_variants(num_warps: tuple[int, ...] = (8,)) -> Iterator[DecodeVariant]:
-    """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps
-    with one tile per step, and for head_dim <= 128 the two-tile configurations it uses when
-    there are very few (sequence, kv head) pairs; each with a cluster or a global merge."""
+    """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps,
+    one tile per step, with a cluster or a global merge. (Two-tile steps, TileConfig.tiles=2,
+    compile on demand.)"""
     for dim, group, q_dtype in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES):
         shapes = [dict(num_warps=w) for w in num_warps]
-        if dim <= 128:
-            shapes += [dict(num_warps=8, tiles=2), dict(num_warps=4, stages=3, tiles=2)]
         for mode in SCALE_MODES:
             for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
                 for shape in shapes:
