@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 from . import __version__
 from .compiler import CompiledProgram, CompileError, CompileOptions, cache_dir, nvrtc_version
 from .decode import DecodeVariant, shipped_variants
+from .decode.variants import PLANNER_WARPS, WARP_COUNTS
 from .driver import Device, device_count, driver_version
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
@@ -146,7 +147,7 @@ def compile_families(families: Sequence[KernelFamily], arch: str,
 
 
 def compile_command(args: argparse.Namespace) -> int:
-    warps = (2, 4, 8) if args.all_warps else (4,)
+    warps = WARP_COUNTS if args.all_warps else PLANNER_WARPS
     return compile_families(FAMILIES, args.arch or _default_arch(), warps)
 
 

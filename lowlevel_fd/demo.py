@@ -12,8 +12,9 @@ import sys
 import numpy as np
 
 from .decode import DecodePlan
-from .driver import DeviceArray, Event, Stream, capture
+from .driver import DeviceArray, Stream
 from .reference import decode_attention_ref
+from .timing import time_graph
 
 HEADS, KV_HEADS, HEAD_DIM, LENGTH, LAYERS = 32, 8, 128, 1024, 64
 
@@ -57,24 +58,16 @@ def main() -> int:
     print(f"correctness: max|out-ref|/max|ref| = {error:.2e} "
           f"({'ok' if error <= 2e-3 and not np.isnan(out).any() else 'FAILED'})")
 
-    with capture(stream) as graph:
+    def step() -> None:
         for layer in layers:
             run(layer)
-    for _ in range(10):
-        graph.launch(stream)
-    times = []
-    for _ in range(100):
-        start, end = Event().record(stream), Event()
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append((end - start) * 1e3 / LAYERS)
+
+    times = [ms * 1e3 / LAYERS for ms in time_graph(step, stream, warmup=10, iters=100)]
     p20, median, p80 = np.percentile(times, [20, 50, 80])
     kv_bytes = KV_HEADS * LENGTH * (2 * HEAD_DIM + 2 * 4) + 2 * HEADS * HEAD_DIM * 2
     print(f"time per layer (CUDA graph, {LAYERS} distinct layers): {median:.2f} us "
           f"[p20 {p20:.2f}, p80 {p80:.2f}]  ->  {kv_bytes / median / 1e3:.0f} GB/s "
           f"({kv_bytes / 2**20:.2f} MiB read per layer)")
-    graph.close()
     plan.close()
     return 0 if error <= 2e-3 else 1
 

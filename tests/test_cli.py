@@ -15,6 +15,7 @@ from lowlevel_fd import cli
 from lowlevel_fd.compiler import (CompiledProgram, CompileError, KernelResources,
                                   nvrtc_version)
 from lowlevel_fd.decode import shipped_variants
+from lowlevel_fd.decode.variants import PLANNER_WARPS
 
 from conftest import HAS_GPU
 
@@ -72,7 +73,7 @@ def compiled_sm90(session_cache: Path) -> subprocess.CompletedProcess:
 def test_compile_builds_every_shipped_kernel_for_sm90(compiled_sm90):
     rows = [ROW.match(line) for line in compiled_sm90.stdout.splitlines()]
     names = [row.group(1) for row in rows if row]
-    expected = [name for family in cli.FAMILIES for variant in family.variants((4,))
+    expected = [name for family in cli.FAMILIES for variant in family.variants(PLANNER_WARPS)
                 for name in family.kernels(variant)]
     decode = [n for v in shipped_variants() for n in (v.split_kernel, v.combine_kernel)]
     assert sorted(names) == sorted(expected)
@@ -151,7 +152,7 @@ def test_compile_passes_every_warp_count_with_all_warps(monkeypatch, capsys):
     monkeypatch.setattr(cli, "FAMILIES", [family])
     assert cli.main(["compile", "--arch", "sm_80", "--all-warps"]) == 0
     assert cli.main(["compile", "--arch", "sm_80"]) == 0
-    assert seen == [(2, 4, 8), (4,)]
+    assert seen == [(2, 4, 8), PLANNER_WARPS]
 
 
 # -- bench -------------------------------------------------------------------------------------

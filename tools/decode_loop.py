@@ -185,7 +185,7 @@ class Loop:
 
 def timed_pass(loop: Loop, launch) -> tuple[list[float], list[dict[str, np.ndarray]]]:
     """From the initial state: warm-up steps, then N timed steps; (us per step, final state)."""
-    from benchlib.timing import time_replays
+    from lowlevel_fd.timing import time_replays
     loop.restore()
     samples = time_replays(launch, loop.stream, warmup=loop.args.warmup, iters=loop.args.steps)
     return [1e3 * ms for ms in samples], loop.final_state()

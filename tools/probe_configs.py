@@ -7,7 +7,8 @@ import sys
 import numpy as np
 
 from lowlevel_fd.decode import DecodePlan, TileConfig
-from lowlevel_fd.driver import DeviceArray, Event, Stream, capture
+from lowlevel_fd.driver import DeviceArray, Stream
+from lowlevel_fd.timing import time_graph
 
 
 def layers_for(nbytes: int) -> int:
@@ -39,18 +40,11 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
     for config in configs:
         plan = DecodePlan(32, 8, 128, max_batch=batch, max_seq_len=length)
         plan.plan([length] * batch, config=config)
-        with capture(stream) as graph:
+        def step() -> None:
             for q, k, v, ks, vs, out in layers:
                 plan.run(q, k, v, ks, vs, lens, out, stream=stream)
-        for _ in range(5):
-            graph.launch(stream)
-        times = []
-        for _ in range(30):
-            start, end = Event().record(stream), Event()
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append((end - start) * 1e3 / num_layers)
+
+        times = [ms * 1e3 / num_layers for ms in time_graph(step, stream, warmup=5, iters=30)]
         med = float(np.median(times))
         d = plan.describe()
         print(f"B={batch:4d} S={length:6d} L={num_layers:2d} warps={d['num_warps']} "
@@ -59,7 +53,6 @@ def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
               f"pdl={int(d['programmatic'])} tok={d['tile_tokens']} occ={d['ctas_per_sm']} "
               f"regs={d['registers']}  {med:8.2f} us  "
               f"{kv / med / 1e3:7.0f} GB/s", flush=True)
-        graph.close()
         plan.close()
 
 

@@ -10,8 +10,8 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchlib.kernels import bench_kernel, fill_random  # noqa: E402
 
-from lowlevel_fd.driver import (Device, DeviceArray, Event, LaunchConfig, Stream,  # noqa: E402
-                                capture)
+from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream  # noqa: E402
+from lowlevel_fd.timing import time_graph  # noqa: E402
 
 
 def main() -> None:
@@ -27,19 +27,11 @@ def main() -> None:
         launches = [kernel.prepare(LaunchConfig(blocks, threads),
                                    buffer[i * region:(i + 1) * region], np.uint64(region // 16),
                                    sink) for i in range(32)]
-        with capture(stream) as graph:  # back to back, as in a decode step: no host gaps
+        def step() -> None:  # back to back, as in a decode step: no host gaps
             for launch in launches:
                 launch.launch(stream)
-        for _ in range(3):
-            graph.launch(stream)
-        times = []
-        for _ in range(20):
-            start, end = Event().record(stream), Event()
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append((end - start) * 1e3 / 32)
-        graph.close()
+
+        times = [ms * 1e3 / 32 for ms in time_graph(step, stream, warmup=3, iters=20)]
         med = float(np.median(times))
         print(f"grid {blocks:5d} x {threads:4d}: {med:7.2f} us  {region / med / 1e3:6.0f} GB/s "
               f"({threads * blocks // sms // 32} warps/SM)", flush=True)

@@ -14,6 +14,7 @@ Q_DTYPES = ("float16", "bfloat16")
 SCALE_MODES = ("tensor", "head", "token")
 TOKEN_SCALE_DTYPES = ("float32", "float16")
 WARP_COUNTS = (2, 4, 8)
+PLANNER_WARPS = (8,)  # what the planner picks; the CI compiles these variants
 
 
 def default_stages(head_dim: int) -> int:
@@ -79,7 +80,7 @@ class DecodeVariant:
                               (self.split_kernel, self.combine_kernel))
 
 
-def shipped_variants(num_warps: tuple[int, ...] = (8,)) -> Iterator[DecodeVariant]:
+def shipped_variants(num_warps: tuple[int, ...] = PLANNER_WARPS) -> Iterator[DecodeVariant]:
     """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps,
     one tile per step, with a cluster or a global merge. (Two-tile steps, TileConfig.tiles=2,
     compile on demand.)"""

@@ -8,42 +8,13 @@ the other layers' weights and caches evict this layer's cache between decode ste
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 from lowlevel_fd.decode import DecodePlan, TileConfig
-from lowlevel_fd.driver import Device, Event, Stream, capture
+from lowlevel_fd.driver import Device, Stream
+from lowlevel_fd.timing import time_graph, time_replays  # noqa: F401 (re-exported)
 
 from .layers import LayerSet
 from .workloads import Workload
-
-
-def time_replays(launch: Callable[[], None], stream: Stream, *, warmup: int,
-                 iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` calls of ``launch`` (which enqueues on ``stream``),
-    after ``warmup`` untimed calls. All pairs are recorded before one synchronize, so the
-    host never stalls the GPU between iterations."""
-    for _ in range(warmup):
-        launch()
-    events = [(Event(stream.device), Event(stream.device)) for _ in range(iters)]
-    for start, end in events:
-        start.record(stream)
-        launch()
-        end.record(stream)
-    stream.synchronize()
-    return [end - start for start, end in events]
-
-
-def time_graph(step: Callable[[], None], stream: Stream, *, warmup: int,
-               iters: int) -> list[float]:
-    """Capture ``step`` once on ``stream`` and time its replays (ms per replay)."""
-    with capture(stream) as graph:
-        step()
-    try:
-        graph.upload(stream)
-        return time_replays(lambda: graph.launch(stream), stream, warmup=warmup, iters=iters)
-    finally:
-        stream.synchronize()
-        graph.close()
 
 
 class WorkloadBench:
