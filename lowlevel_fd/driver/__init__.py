@@ -3,7 +3,8 @@ from . import dtypes
 from ._api import CudaError, cu
 from .device import Device, device_count, driver_version, gpu_available
 from .graph import Graph, capture, is_capturing
-from .memory import Allocation, DeviceArray, as_device_array, pinned_empty
+from .interop import as_device_array
+from .memory import Allocation, DeviceArray, pinned_empty
 from .module import ArgPack, Kernel, LaunchConfig, Module, PreparedLaunch, launch
 from .stream import Event, Stream, stream_address, stream_handle
 
