@@ -41,3 +41,19 @@ def stream(device):
     from lowlevel_fd.driver import Stream
     with Stream(device) as s:
         yield s
+
+
+@pytest.fixture
+def nvrtc_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The compilations the compile cache really hands to NVRTC (names, in order)."""
+    from lowlevel_fd.compiler import cache
+
+    calls: list[str] = []
+    real = cache.compile_source
+
+    def counting(source, name, options, name_expressions=()):
+        calls.append(name)
+        return real(source, name, options, name_expressions)
+
+    monkeypatch.setattr(cache, "compile_source", counting)
+    return calls

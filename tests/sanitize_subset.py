@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository's lowlevel_fd
 
 from decode_case import TOLERANCE, Case  # noqa: E402  (tests/ is this script's directory)
+from append_case import cache_state  # noqa: E402
 
 from lowlevel_fd.append import AppendPlan, PromptQuantizer  # noqa: E402
 from lowlevel_fd.append.reference import append_ref, prompt_ref  # noqa: E402
@@ -134,23 +135,6 @@ case("decode lengths beyond the capacity, combine kernel",
 
 
 # -- append and prompts ------------------------------------------------------------------------
-def cache_state(rng: np.random.Generator, *, batch: int, heads: int, head_dim: int,
-                capacity: int, kv_layout: str, scale_mode: str, scale_dtype: str,
-                lengths: list[int]) -> dict[str, np.ndarray]:
-    """Host caches (random), NaN per-token scales or given scales, and the lengths."""
-    shape = ((batch, heads, capacity, head_dim) if kv_layout == "bnsh"
-             else (batch, capacity, heads, head_dim))
-    host = {"k_cache": rng.integers(-128, 128, shape, dtype=np.int8),
-            "v_cache": rng.integers(-128, 128, shape, dtype=np.int8),
-            "seq_lens": np.asarray(lengths, np.int32)}
-    for name in ("k_scale", "v_scale"):
-        if scale_mode == "token":
-            host[name] = np.full((batch, heads, capacity), np.nan, np.dtype(scale_dtype))
-        else:
-            count = 1 if scale_mode == "tensor" else heads
-            host[name] = rng.uniform(0.03, 0.05, count).astype(np.float32)
-    return host
-
 
 def tokens(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtypes.as_dtype(dtype))

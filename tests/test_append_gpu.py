@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from append_case import cache_state
 
 from lowlevel_fd.append import AppendPlan, PromptQuantizer
 from lowlevel_fd.append.reference import append_ref, prompt_ref
@@ -17,22 +18,6 @@ MODES = [("tensor", "float32"), ("head", "float32"), ("token", "float32"), ("tok
 # One rounding of the rotated q to the storage type, relative to the element.
 Q_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 
-
-def cache_state(rng, *, batch, heads, head_dim, capacity, kv_layout, scale_mode, scale_dtype,
-                lengths):
-    """Host arrays: garbage caches, NaN per-token scales (or given scales), the lengths."""
-    shape = ((batch, heads, capacity, head_dim) if kv_layout == "bnsh"
-             else (batch, capacity, heads, head_dim))
-    host = {"k_cache": rng.integers(-128, 128, shape, dtype=np.int8),
-            "v_cache": rng.integers(-128, 128, shape, dtype=np.int8),
-            "seq_lens": np.asarray(lengths, np.int32)}
-    for name in ("k_scale", "v_scale"):
-        if scale_mode == "token":
-            host[name] = np.full((batch, heads, capacity), np.nan, np.dtype(scale_dtype))
-        else:
-            count = 1 if scale_mode == "tensor" else heads
-            host[name] = rng.uniform(0.03, 0.05, count).astype(np.float32)
-    return host
 
 
 def upload(host):

@@ -46,19 +46,6 @@ def cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     clear_memory_cache()  # also re-enables the disk for the next test
 
 
-@pytest.fixture
-def nvrtc_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Counts the compilations the cache really hands to NVRTC."""
-    calls: list[str] = []
-    real = cache.compile_source
-
-    def counting(source, name, options, name_expressions=()):
-        calls.append(name)
-        return real(source, name, options, name_expressions)
-
-    monkeypatch.setattr(cache, "compile_source", counting)
-    return calls
-
 
 def entries(directory: Path) -> list[Path]:
     return sorted(directory.iterdir()) if directory.exists() else []

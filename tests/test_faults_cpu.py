@@ -49,19 +49,6 @@ def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     clear_memory_cache()  # also re-enables the disk cache for the next test
 
 
-@pytest.fixture
-def nvrtc_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The compilations the cache really hands to NVRTC."""
-    calls: list[str] = []
-    real = cache.compile_source
-
-    def counting(source, name, options, name_expressions=()):
-        calls.append(name)
-        return real(source, name, options, name_expressions)
-
-    monkeypatch.setattr(cache, "compile_source", counting)
-    return calls
-
 
 def files(directory: Path) -> list[str]:
     """Everything in the cache directory: entries and temporary files alike."""
