@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from lowlevel_fd.append import runner as append_runner
 from lowlevel_fd.decode import plan as decode_plan
 from lowlevel_fd.driver import CudaError, DeviceArray, Kernel, PreparedLaunch, dtypes
+from lowlevel_fd.driver.memory import _contiguous_strides as contiguous_strides
 from lowlevel_fd.driver import module as driver_module
 from lowlevel_fd.driver._api import cu, raw
 
@@ -173,14 +174,6 @@ def assert_rejected(call: Callable[[], Any], names: tuple[str, ...], context: An
     assert any(re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", subject) for n in names), (
         f"the message is not about {' or '.join(names)}: {message!r} ({context})")
     return message
-
-
-def contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    strides, step = [], itemsize
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(extent, 1)
-    return tuple(reversed(strides))
 
 
 def fake(ptr: int, shape: tuple[int, ...], dtype: str, *, pool: tuple[int, ...] | None = None,

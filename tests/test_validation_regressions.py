@@ -243,6 +243,14 @@ def test_plan_checks_the_config_before_compiling(monkeypatch):
     assert not loaded, "config.num_splits must be checked before compiling and loading"
 
 
+@pytest.mark.parametrize("tiles, error", [(3, ValueError), (0, ValueError), (2.0, TypeError)])
+def test_plan_rejects_unsupported_tiles_per_step(tiles, error, monkeypatch):
+    monkeypatch.setattr(decode_plan, "load_variant",
+                        lambda variant, device: (StandInKernel(), StandInKernel()))
+    with pytest.raises(error, match=r"^config\.tiles: "):
+        planning(TileConfig(tiles=tiles))()
+
+
 # -- what is accepted, and how it is stored -----------------------------------------------------
 @pytest.mark.parametrize("make, stored", [
     (decode_new(q_dtype=np.dtype("float16"), scale_dtype=np.dtype("float16")),
