@@ -182,5 +182,29 @@ def test_shipped_variants_cover_the_support_matrix_once(num_warps):
                 for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES, num_warps)
                 for mode, sd in modes for cluster in (False, True)}
     assert single == expected
-    assert all(v.tiles == 1 for v in variants)
+    # Planner rule 7's two-tile variants: head_dim 128, groups up to 8, cluster merge.
+    double = {(v.head_dim, v.group_size, v.q_dtype, v.scale_mode, v.scale_dtype, v.num_warps,
+               v.cluster) for v in variants if v.tiles == 2}
+    assert double == {(128, g, q, mode, sd, w, True) for (_, g, q, mode, sd, w, _) in expected
+                      if g <= 8}
+    assert {v.tiles for v in variants} == {1, 2}
     assert DecodeVariant(128, 4, "float16", "token", "float32", 8) in variants
+
+
+@pytest.mark.parametrize("batch, max_len, head_dim, group_size, clusters, tiles", [
+    (1, 32768, 128, 4, True, 2),     # 64 CTAs, 4096-token splits: rule 7
+    (1, 16384, 128, 4, True, 2),     # 2048-token splits: the threshold
+    (1, 8192, 128, 4, True, 1),      # 1024-token splits: too short
+    (2, 32768, 128, 4, True, 1),     # 128 CTAs: more than half the SMs
+    (1, 32768, 64, 4, True, 1),      # not measured at head_dim 64
+    (1, 32768, 128, 16, True, 1),    # group 16 merges globally
+    (1, 32768, 128, 4, False, 1),    # no clusters (before sm_90)
+])
+def test_two_tiles_only_for_few_ctas_with_long_splits(batch, max_len, head_dim, group_size,
+                                                       clusters, tiles):
+    config = choose(Workload(batch, 8, max_len, 132, 0, group_size, head_dim), clusters=clusters)
+    assert config.tiles == tiles
+    assert config.min_split_tokens == 16 * config.num_warps * tiles
+    assert max_len // config.num_splits >= config.min_split_tokens
+    if tiles == 2:
+        assert 2 * batch * 8 * config.num_splits <= 132 and config.cluster

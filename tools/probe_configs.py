@@ -1,5 +1,6 @@
 """Quick L2-honest probe of DecodePlan tile configs (development aid; tools/tune.py is the
-full sweep). Usage: probe_configs.py B,S [B,S ...]"""
+full sweep). Usage: probe_configs.py [--configs "w,splits,min,stages,fused[,cluster[,pdl[,tiles]]];..."]
+[--pad TOKENS] B,S [B,S ...]. --pad allocates the caches with that many spare tokens per head."""
 from __future__ import annotations
 
 import sys
@@ -15,9 +16,9 @@ def layers_for(nbytes: int) -> int:
     return max(2, min(64, -(-200 * 2**20 // nbytes)))
 
 
-def probe(batch: int, length: int, configs: list[TileConfig | None]) -> None:
+def probe(batch: int, length: int, configs: list[TileConfig | None], pad: int = 0) -> None:
     rng = np.random.default_rng(0)
-    shape = (batch, 8, length, 128)
+    shape = (batch, 8, length + pad, 128)
     kv = batch * 8 * length * (256 + 8)
     num_layers = layers_for(kv)
     stream = Stream()
@@ -71,14 +72,17 @@ def parse_configs(text: str) -> list[TileConfig | None]:
 
 
 def main() -> None:
-    explicit = None
-    if len(sys.argv) > 2 and sys.argv[1] == "--configs":
-        explicit = parse_configs(sys.argv[2])
+    explicit, pad = None, 0
+    while len(sys.argv) > 2 and sys.argv[1] in ("--configs", "--pad"):
+        if sys.argv[1] == "--configs":
+            explicit = parse_configs(sys.argv[2])
+        else:
+            pad = int(sys.argv[2])
         del sys.argv[1:3]
     for arg in sys.argv[1:]:
         batch, length = map(int, arg.split(","))
         if explicit is not None:
-            probe(batch, length, explicit)
+            probe(batch, length, explicit, pad)
             continue
         configs: list[TileConfig | None] = [None]
         for warps in (4, 8):
@@ -86,7 +90,7 @@ def main() -> None:
                 for stages in (2, 4, 6):
                     configs.append(TileConfig(warps, splits, 16, True, stages))
             configs.append(TileConfig(warps, 16, 16, False))
-        probe(batch, length, configs)
+        probe(batch, length, configs, pad)
 
 
 if __name__ == "__main__":

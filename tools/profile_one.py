@@ -1,21 +1,20 @@
 """Run one decode workload a few times (for ncu / compute-sanitizer). Usage:
-profile_one.py B S [warps splits min_split stages fused]"""
+profile_one.py B S [CONFIG], CONFIG as in probe_configs.py: "w,splits,min,stages,fused[,cluster
+[,pdl[,tiles]]]" (default: the planner's choice)."""
 from __future__ import annotations
 
 import sys
 
 import numpy as np
+from probe_configs import parse_configs
 
-from lowlevel_fd.decode import DecodePlan, TileConfig
+from lowlevel_fd.decode import DecodePlan
 from lowlevel_fd.driver import DeviceArray, Stream
 
 
 def main() -> None:
     batch, length = int(sys.argv[1]), int(sys.argv[2])
-    config = None
-    if len(sys.argv) > 3:
-        w, sp, mn, st, fu = (int(x) for x in sys.argv[3:8])
-        config = TileConfig(w, sp, mn, bool(fu), st)
+    config = parse_configs(sys.argv[3])[0] if len(sys.argv) > 3 else None
     rng = np.random.default_rng(0)
     shape = (batch, 8, length, 128)
     arrays = [DeviceArray.from_numpy(rng.integers(-127, 128, shape, dtype=np.int8))

@@ -15,6 +15,9 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
 6. The splits merge inside a thread-block cluster through distributed shared memory on sm_90
    (groups of at most 8 heads), and the kernel uses programmatic dependent launch; otherwise
    the last CTA to finish merges through global memory.
+7. Two 16-token tiles per warp step (sm_90, head_dim 128) when the CTAs are few (at most half
+   the SMs, one CTA each) and every split is long: 9-11% faster at B=1 for S >= 32768, 2% at
+   S = 16384; slower with short splits or 128 CTAs (PERF_NOTES.md v9).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ MAX_SPLITS = 128
 MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
 MAX_PORTABLE_SPLITS = 8  # what the planner picks at most (a portable cluster)
 SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU
+TWO_TILE_SPLIT_TOKENS = 2048  # the shortest split that takes two tiles per warp step (rule 7)
+TWO_TILE_HEAD_DIMS = (128,)  # where rule 7 was measured
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,8 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     """The split count and tile settings for a workload (see the module docstring). With
     ``clusters`` (sm_90) the splits merge through distributed shared memory."""
     pairs = work.batch * work.num_kv_heads
-    # Two tiles per warp step (TileConfig.tiles=2) measured within noise of one tile at B=1
-    # (S=1024 6.04 vs 6.04 us, S=8192 13.3 vs 12.1, S=32768 33.0 vs 32.2): one tile it is.
-    tiles = 1
     num_warps = num_warps or 8
-    min_tokens = min_split_tokens or default_min_split_tokens(num_warps) * tiles
+    min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     if 2 * pairs <= work.sm_count:
         wanted = _power_of_two_at_most(work.sm_count // pairs)
     else:
@@ -81,6 +83,12 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     # Groups over 8 heads merge through global memory: their cluster merge measured 1.5x
     # slower (B=32 S=4096 Hkv=1: 33.4 vs 21.8 us), the DSMEM slice per CTA being 2x larger.
     cluster = clusters and splits > 1 and work.group_size <= 8
+    # Rule 7: one CTA per SM on at most half the SMs, each split >= 2048 tokens.
+    tiles = 2 if (cluster and work.head_dim in TWO_TILE_HEAD_DIMS and
+                  2 * pairs * splits <= work.sm_count and
+                  work.max_len // splits >= TWO_TILE_SPLIT_TOKENS) else 1
+    if min_split_tokens is None:
+        min_tokens *= tiles
     return TileConfig(num_warps=num_warps, num_splits=splits, min_split_tokens=min_tokens,
                       fused_merge=fused_merge, stages=stages, cluster=cluster,
                       programmatic=clusters, tiles=tiles)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..compiler import CompiledProgram, CompileOptions, compile_cached
+from .planner import TWO_TILE_HEAD_DIMS
 
 SOURCE = "decode.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -82,13 +83,16 @@ class DecodeVariant:
 
 def shipped_variants(num_warps: tuple[int, ...] = PLANNER_WARPS) -> Iterator[DecodeVariant]:
     """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps,
-    one tile per step, with a cluster or a global merge. (Two-tile steps, TileConfig.tiles=2,
-    compile on demand.)"""
+    one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
+    planner rule 7 (head_dim 128, groups up to 8). Other two-tile variants compile on demand."""
     for dim, group, q_dtype in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES):
-        shapes = [dict(num_warps=w) for w in num_warps]
+        two_tiles = dim in TWO_TILE_HEAD_DIMS and group <= 8
         for mode in SCALE_MODES:
             for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
-                for shape in shapes:
+                for warps in num_warps:
                     for cluster in (False, True):
                         yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
-                                            cluster=cluster, **shape)
+                                            num_warps=warps, cluster=cluster)
+                    if two_tiles:
+                        yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
+                                            num_warps=warps, cluster=True, tiles=2)

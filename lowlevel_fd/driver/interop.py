@@ -40,16 +40,19 @@ _TORCH_DTYPES: dict[Any, np.dtype] = {}
 
 def _from_torch_like(obj: Any) -> DeviceArray:
     """A torch tensor through its own accessors: cheaper than building the array-interface
-    dict, and it covers bfloat16, which torch's interface refuses."""
-    if not obj.is_cuda:
+    dict, and it covers bfloat16, which torch's interface refuses. This is run()'s per-tensor
+    path, so it makes the fewest calls into torch (get_device() is the ordinal, -1 on the CPU)
+    and skips the DeviceArray constructor's conversions: torch gives int tuples."""
+    ordinal = obj.get_device()
+    if ordinal < 0:
         raise TypeError(f"expected a CUDA tensor, got a tensor on {obj.device}")
     dtype = _TORCH_DTYPES.get(obj.dtype)
     if dtype is None:
         dtype = _TORCH_DTYPES.setdefault(obj.dtype, dtypes.as_dtype(obj.dtype))
     itemsize = dtype.itemsize
-    strides = tuple(s * itemsize for s in obj.stride())
-    return DeviceArray(obj.data_ptr(), tuple(obj.shape), dtype, Device(obj.device.index),
-                       strides, owner=obj)
+    strides = tuple([s * itemsize for s in obj.stride()])
+    return DeviceArray._trusted(obj.data_ptr(), tuple(obj.shape), dtype, Device(ordinal),
+                                strides, obj)
 
 
 def as_device_array(obj: Any) -> DeviceArray:

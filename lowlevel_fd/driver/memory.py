@@ -92,6 +92,16 @@ class DeviceArray:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
+    def _trusted(cls, ptr: int, shape: tuple[int, ...], dtype: np.dtype, device: Device,
+                 strides: tuple[int, ...], owner: Any) -> "DeviceArray":
+        """The constructor without its conversions and checks, for adapters whose source
+        already gives int tuples of equal length and a numpy dtype (the per-call run() path)."""
+        self = object.__new__(cls)
+        self.ptr, self.shape, self.dtype, self.strides = ptr, shape, dtype, strides
+        self.device, self._owner = device, owner
+        return self
+
+    @classmethod
     def empty(cls, shape: int | Sequence[int], dtype: Any, device: Device | None = None
               ) -> "DeviceArray":
         """Uninitialised device memory, C-contiguous."""
