@@ -1,10 +1,20 @@
 """DecodeStep: one decode step of an L-layer model, [append -> attention] per layer, as one
 CUDA graph (or the same launches issued eagerly), with the lengths advancing on the device.
 
-How the lengths advance exactly once per step. The append kernel writes the new token at
-``lengths[b]`` and can bump that same array; attention reads ``lengths[b]`` tokens. Every layer
-must write at the step's position L and attend L + 1 tokens, yet only one launch may bump the
-lengths. So the step issues:
+Fused (the default): one launch per layer, ``DecodePlan.append_and_run``, rotates the layer's
+new token and query at position ``seq_lens[b]``, writes the token into the cache and attends
+the ``seq_lens[b] + 1`` tokens; every layer reads the same ``seq_lens``, and one
+``advance_lengths`` launch after the last layer bumps them:
+
+    layer i   append_and_run at seq_lens              (writes at L, attends L + 1)
+    advance   seq_lens[b] += 1 where the write happened
+
+q is not modified (the rotated query lives in the kernel's shared memory).
+
+Unfused (``fused=False``): the append kernel (AppendPlan, which also rotates q in place) then
+attention. The append kernel writes the new token at ``lengths[b]`` and can bump that same
+array; attention reads ``lengths[b]`` tokens. Every layer must write at the step's position L
+and attend L + 1 tokens, yet only one launch may bump the lengths. So the step issues:
 
     copy      positions <- seq_lens                   (4*B bytes; skipped for one layer)
     layer 0   append at seq_lens, advance=True        (seq_lens: L -> L + 1)
@@ -14,9 +24,10 @@ lengths. So the step issues:
 
 ``positions`` is a device array the step owns. Re-copying it every step (instead of bumping a
 second counter) keeps ``seq_lens`` the single source of truth: the caller may rewrite it between
-steps (a new request, a rollback) and the next step follows. A full cache stays consistent too:
-if ``seq_lens[b]`` is S_max, no layer writes, nothing advances, every layer attends the S_max
-tokens it has, and bit 0 of ``error_flags()["append"]`` is set.
+steps (a new request, a rollback) and the next step follows. A full cache stays consistent in
+both modes: if ``seq_lens[b]`` is S_max, no layer writes, nothing advances, every layer attends
+the S_max tokens it has, and bit 0 of the error flags is set (``error_flags()["append"]``
+unfused, ``["attention"]`` fused).
 
 The plans are shared by the layers. That is safe because a launch copies its parameter block
 when it is issued (and a captured kernel node keeps that copy), and because the attention
@@ -44,9 +55,10 @@ from .driver.stream import StreamLike
 
 @dataclass(frozen=True)
 class LayerBuffers:
-    """One layer's device buffers for a step. q, out: ``[B, Hq, D]`` fp16/bf16 (q is rotated in
-    place when the step applies RoPE); k_new, v_new: ``[B, Hkv, D]``; caches and scales as in
-    ``DecodePlan.run``; cos_sin: optional fp32 RoPE table; lse: optional fp32 ``[B, Hq]``."""
+    """One layer's device buffers for a step. q, out: ``[B, Hq, D]`` fp16/bf16 (the unfused
+    step rotates q in place when it applies RoPE; the fused one leaves it); k_new, v_new:
+    ``[B, Hkv, D]``; caches and scales as in ``DecodePlan.run``; cos_sin: optional fp32 RoPE
+    table; lse: optional fp32 ``[B, Hq]``."""
 
     q: Any
     k_new: Any
@@ -70,18 +82,23 @@ def _close(arrays: dict[str, DeviceArray]) -> None:
 
 
 class DecodeStep:
-    """L layers' decode step: per layer, the fused RoPE + quantize + append of the new token
-    (AppendPlan) then attention over the cache including it (DecodePlan); two launches per
-    layer with the default fused split merge. ``plan`` does the host work, ``capture`` returns
-    a Graph that replays the whole step, ``eager`` issues the same launches without one."""
+    """L layers' decode step: per layer, the RoPE + quantize + append of the new token and
+    attention over the cache including it; one launch per layer (``fused``, plus one per step
+    for the lengths) or two (AppendPlan then DecodePlan). ``plan`` does the host work,
+    ``capture`` returns a Graph that replays the whole step, ``eager`` issues the same
+    launches without one."""
 
     def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                  max_batch: int, max_seq_len: int, kv_layout: str = "bnsh",
                  scale_mode: str = "token", scale_dtype: str = "float32",
                  dtype: str = "float16", rope: str | None = None, rope_theta: float = 10000.0,
-                 sm_scale: float | None = None, device: Device | None = None) -> None:
+                 sm_scale: float | None = None, fused: bool = True,
+                 device: Device | None = None) -> None:
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused: expected a bool, got {type(fused).__name__} {fused!r}")
+        self.fused = fused
         device = check.device_option(device)  # both plans share it
         self.num_layers = num_layers
         self.append = AppendPlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,
@@ -91,7 +108,8 @@ class DecodeStep:
         self.attention = DecodePlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,
                                     max_seq_len=max_seq_len, q_dtype=dtype, kv_layout=kv_layout,
                                     scale_mode=scale_mode, scale_dtype=scale_dtype,
-                                    sm_scale=sm_scale, device=device)
+                                    sm_scale=sm_scale, rope=rope, rope_theta=rope_theta,
+                                    device=device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.max_batch, self.max_seq_len, self.rope = max_batch, max_seq_len, rope
         self.device = device
@@ -114,8 +132,9 @@ class DecodeStep:
                              f"no room for the step's new token (max_seq_len="
                              f"{self.max_seq_len})")
         self.attention.plan(lengths + 1)
-        self.append.load()
-        if "positions" not in self._arrays:
+        if not self.fused:
+            self.append.load()
+        if "positions" not in self._arrays and not self.fused:
             self._arrays["positions"] = DeviceArray.full(self.max_batch, 0, np.int32,
                                                          self.device)
         self._host_lengths = lengths
@@ -137,7 +156,17 @@ class DecodeStep:
                              f"got {len(layers)}")
         lengths = append_bind.lengths("seq_lens", seq_lens, self.append, batch)
         bound = [self._layer(i, layer, lengths, batch) for i, layer in enumerate(layers)]
+        capacities = {self._capacity(layer) for layer in bound}
+        if self.fused and len(capacities) > 1:  # one advance_lengths serves every layer
+            raise ValueError(f"layers: expected caches of one capacity S_max in every layer "
+                             f"(the fused step advances the lengths once), got "
+                             f"{sorted(capacities)}")
         return bound, lengths
+
+    def _capacity(self, layer: LayerBuffers) -> int:
+        """S_max of a validated layer's caches."""
+        shape = check.device_array("k_cache", layer.k_cache, self.device).shape
+        return int(shape[2] if self.append.kv_layout == "bnsh" else shape[1])
 
     def _layer(self, index: int, layer: Any, lengths: DeviceArray,
                batch: int) -> LayerBuffers:
@@ -188,6 +217,14 @@ class DecodeStep:
 
     def _issue(self, layers: list[LayerBuffers], seq_lens: DeviceArray,
                stream: StreamLike) -> None:
+        if self.fused:
+            for layer in layers:
+                self.attention.append_and_run(
+                    layer.q, layer.k_new, layer.v_new, layer.k_cache, layer.v_cache,
+                    layer.k_scale, layer.v_scale, seq_lens, layer.out, cos_sin=layer.cos_sin,
+                    lse=layer.lse, stream=stream)
+            self.attention.advance_lengths(seq_lens, self._capacity(layers[0]), stream=stream)
+            return
         positions = self._arrays["positions"][:seq_lens.shape[0]]
         if self.num_layers > 1:
             positions.copy_from(seq_lens, stream)
@@ -204,15 +241,21 @@ class DecodeStep:
     def describe(self) -> dict[str, Any]:
         """Launches per layer, graph nodes per step besides them, and the attention plan."""
         attention = self.attention.describe()
-        per_layer = 1 + attention.get("launches", 1)
-        copies = int(self.num_layers > 1)
-        return {"num_layers": self.num_layers, "launches_per_layer": per_layer,
-                "copies_per_step": copies, "nodes_per_step": copies + self.num_layers * per_layer,
+        if self.fused:  # append_and_run per layer, advance_lengths once
+            per_layer, per_step, copies = attention.get("launches", 1), 1, 0
+        else:  # append + attention per layer, the positions copy once
+            per_layer, per_step, copies = 1 + attention.get("launches", 1), 0, int(
+                self.num_layers > 1)
+        return {"num_layers": self.num_layers, "fused": self.fused,
+                "launches_per_layer": per_layer, "launches_per_step": per_step,
+                "copies_per_step": copies,
+                "nodes_per_step": copies + per_step + self.num_layers * per_layer,
                 "attention": attention}
 
     def error_flags(self, *, stream: StreamLike, clear: bool = True) -> dict[str, int]:
-        """``append`` bit 0: a position fell outside a cache (not written, not advanced);
-        ``attention`` bit 0: a length exceeded the capacity (clamped). Synchronous."""
+        """``append`` bit 0 (unfused): a position fell outside a cache (not written, not
+        advanced); ``attention`` bit 0: a length exceeded the capacity (clamped), or, fused, a
+        position fell outside a cache (not written, not advanced). Synchronous."""
         return {"append": self.append.error_flags(stream=stream, clear=clear),
                 "attention": self.attention.error_flags(clear=clear)}
 

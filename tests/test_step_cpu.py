@@ -192,14 +192,37 @@ def test_capture_and_eager_validate_before_touching_the_stream(method):
                                    SEQ_LENS, stream=object())
 
 
-def test_describe_counts_two_launches_per_layer_and_one_copy_per_step():
+def test_describe_counts_one_launch_per_layer_and_one_per_step_when_fused():
     step = planned()
+    step.attention._description = {"launches": 1}  # fused merge, as the planner picks
+    described = step.describe()
+    assert described["fused"] and described["launches_per_layer"] == 1
+    assert described["launches_per_step"] == 1 and described["copies_per_step"] == 0
+    assert described["nodes_per_step"] == 1 + LAYERS  # + advance_lengths
+
+
+def test_describe_counts_two_launches_per_layer_and_one_copy_per_step_unfused():
+    step = planned(fused=False)
     step.attention._description = {"launches": 1}  # fused merge, as the planner picks
     assert step.describe()["launches_per_layer"] == 2
     assert step.describe()["nodes_per_step"] == 1 + 2 * LAYERS
-    single = make_step(num_layers=1)
+    single = make_step(num_layers=1, fused=False)
     single.attention._description = {"launches": 2}  # a separate combine kernel
     assert single.describe()["nodes_per_step"] == 3  # one layer needs no position copy
+
+
+@pytest.mark.parametrize("fused", [1, "yes", None])
+def test_fused_must_be_a_bool(fused):
+    with pytest.raises(TypeError, match=r"^fused: expected a bool"):
+        make_step(fused=fused)
+
+
+def test_fused_step_needs_one_capacity_in_every_layer():
+    buffers = [layer(), layer(capacity=CAPACITY + 16), layer()]
+    with pytest.raises(ValueError, match=r"^layers: expected caches of one capacity S_max in "
+                                         r"every layer .* got \[64, 80\]"):
+        planned().validate(buffers, SEQ_LENS)
+    planned(fused=False).validate(buffers, SEQ_LENS)  # unfused: each append checks its own
 
 
 def test_a_closed_step_refuses_work():
@@ -238,7 +261,7 @@ class Device32:
                                              ((10, 64), 64)])
 def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
         monkeypatch, num_layers, start, capacity):
-    step = planned(num_layers=num_layers)
+    step = planned(num_layers=num_layers, fused=False)
     step._arrays["positions"] = fake((4,), "int32")
     sim = Device32(step, SEQ_LENS, start, capacity)
     monkeypatch.setattr(DeviceArray, "copy_from", lambda dst, src, stream=None:
@@ -254,3 +277,18 @@ def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
     expected += [("append", written), ("attention", after)] * num_layers
     assert sim.log == expected
     assert tuple(sim.memory[SEQ_LENS.ptr]) == after  # once per step, however many layers
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_fused_layers_all_read_the_step_positions_then_one_advance(monkeypatch, num_layers):
+    step = planned(num_layers=num_layers)
+    log = []
+    monkeypatch.setattr(step.attention, "append_and_run", lambda q, k_new, v_new, kc, vc, ks, vs,
+                        positions, out, **kw: log.append(("layer", positions.ptr, out.ptr)))
+    monkeypatch.setattr(step.attention, "advance_lengths", lambda lengths, capacity, **kw:
+                        log.append(("advance", lengths.ptr, capacity)))
+    monkeypatch.setattr(step.append, "run", lambda *a, **k: pytest.fail("unfused append ran"))
+    buffers = [LayerBuffers(**layer()) for _ in range(num_layers)]
+    step._issue(buffers, SEQ_LENS, stream=None)
+    assert log == [("layer", SEQ_LENS.ptr, b.out.ptr) for b in buffers] + [
+        ("advance", SEQ_LENS.ptr, CAPACITY)]

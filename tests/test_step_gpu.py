@@ -31,7 +31,7 @@ class Model:
     """Host initial state and device buffers of LAYERS layers, and per-step random inputs."""
 
     def __init__(self, rng, kv_layout, scale_mode, scale_dtype, rope, table, *,
-                 lengths=LENGTHS, capacity=CAPACITY, layers=LAYERS, steps=STEPS):
+                 lengths=LENGTHS, capacity=CAPACITY, layers=LAYERS, steps=STEPS, fused=True):
         self.kv_layout, self.scale_mode, self.scale_dtype = kv_layout, scale_mode, scale_dtype
         self.rope, batch = rope, len(lengths)
         shape = ((batch, HKV, capacity, D) if kv_layout == "bnsh"
@@ -65,7 +65,9 @@ class Model:
                         for d in self.device]
         self.step = DecodeStep(layers, HQ, HKV, D, max_batch=batch, max_seq_len=capacity,
                                kv_layout=kv_layout, scale_mode=scale_mode,
-                               scale_dtype=scale_dtype, rope=rope).plan(self.lengths)
+                               scale_dtype=scale_dtype, rope=rope,
+                               fused=fused).plan(self.lengths)
+        self.fused = fused
 
     def restore(self, stream):
         for host, d in zip(self.initial, self.device):
@@ -93,10 +95,11 @@ class Model:
         return lambda: self.step.eager(self.buffers, self.seq_lens, stream)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("kv_layout, scale_mode, scale_dtype, rope, table", CONFIGS)
 def test_graph_replay_equals_eager_bitwise_and_the_oracle(rng, stream, kv_layout, scale_mode,
-                                                          scale_dtype, rope, table):
-    model = Model(rng, kv_layout, scale_mode, scale_dtype, rope, table)
+                                                          scale_dtype, rope, table, fused):
+    model = Model(rng, kv_layout, scale_mode, scale_dtype, rope, table, fused=fused)
     eager, eager_final, eager_lens = model.run(model.eager(stream), stream)
     graph = model.step.capture(model.buffers, model.seq_lens, stream)
     replay, graph_final, graph_lens = model.run(lambda: graph.launch(stream), stream)
@@ -123,6 +126,9 @@ def test_graph_replay_equals_eager_bitwise_and_the_oracle(rng, stream, kv_layout
                                lengths.copy(), k, v, kv_layout=kv_layout, scale_mode=scale_mode,
                                scale_dtype=np.dtype(scale_dtype), rope=rope,
                                cos_sin=model.table, q=q)
+            if model.fused:  # q is left as given; the kernel rotates a copy
+                assert np.array_equal(q_rot.view(np.uint16), q.view(np.uint16))
+                q_rot = q_ref.astype(np.float16)
             np.testing.assert_allclose(q_rot.astype(np.float64), q_ref, rtol=2.0**-10,
                                        atol=angle_atol, err_msg=f"step {step} layer {layer}")
             ref, _ = decode_attention_ref(q_rot.astype(np.float32), m["k_cache"], m["v_cache"],
@@ -142,8 +148,19 @@ def test_graph_replay_equals_eager_bitwise_and_the_oracle(rng, stream, kv_layout
     model.step.close()
 
 
-def test_the_graph_has_two_kernels_per_layer_and_one_copy(rng, stream):
+def test_the_fused_graph_has_one_kernel_per_layer_and_one_advance(rng, stream):
     model = Model(rng, *CONFIGS[0], steps=1)
+    model.run(model.eager(stream), stream)
+    described = model.step.describe()
+    assert described["launches_per_layer"] == 1  # append_and_run with the fused merge
+    with model.step.capture(model.buffers, model.seq_lens, stream) as graph:
+        assert node_kinds(graph) == {"kernel": LAYERS + 1}
+        assert graph.node_count == described["nodes_per_step"] == LAYERS + 1
+    model.step.close()
+
+
+def test_the_unfused_graph_has_two_kernels_per_layer_and_one_copy(rng, stream):
+    model = Model(rng, *CONFIGS[0], steps=1, fused=False)
     model.run(model.eager(stream), stream)
     described = model.step.describe()
     assert described["launches_per_layer"] == 2  # append + attention with the fused merge
@@ -172,11 +189,12 @@ def test_rewritten_lengths_are_followed_by_the_next_replay(rng, stream):
     model.step.close()
 
 
-def test_a_full_cache_stops_writing_and_advancing_in_every_layer(rng, stream):
-    model = Model(rng, *CONFIGS[2], lengths=[CAPACITY - 1, 3], layers=2, steps=2)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_a_full_cache_stops_writing_and_advancing_in_every_layer(rng, stream, fused):
+    model = Model(rng, *CONFIGS[2], lengths=[CAPACITY - 1, 3], layers=2, steps=2, fused=fused)
     _, final, lengths = model.run(model.eager(stream), stream)
     assert lengths.tolist() == [CAPACITY, 5]  # step 2 found sequence 0 full
-    assert model.step.error_flags(stream=stream)["append"] & 1
+    assert model.step.error_flags(stream=stream)["attention" if fused else "append"] & 1
     model.step.close()
 
 

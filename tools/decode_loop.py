@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A toy decode loop: L layers (default 32) with distinct INT8 caches, B=1, 1024 tokens of
-context, N steps of DecodeStep ([RoPE + quantize + append -> attention] per layer), run once
-eagerly and once by CUDA-graph replay from the same initial state.
+context, N steps of DecodeStep ([RoPE + quantize + append -> attention] per layer: one fused
+launch by default, or AppendPlan then DecodePlan with --unfused), run once eagerly and once by
+CUDA-graph replay from the same initial state.
 
 Prints the us per step and per layer of both (CUDA events, one pair per step, median with
 p20/p80 after a warm-up), the kernel launches per layer (kernel nodes of the captured graph /
@@ -9,6 +10,7 @@ L), whether graph replay and eager ended bitwise identical, and layer 0's last o
 the float64 oracle. Exits 1 if they differ or the oracle check fails.
 
     PYTHONPATH=. python3 tools/decode_loop.py [--steps 100] [--layers 32] [--context 1024]
+                                              [--unfused]
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rope", choices=("neox", "gptj", "none"), default="neox")
     parser.add_argument("--init", choices=("prompt", "random"), default="prompt",
                         help="fill the context with PromptQuantizer (default) or random bytes")
+    parser.add_argument("--unfused", action="store_true",
+                        help="append kernel + attention per layer (two launches)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     return parser
@@ -102,7 +106,8 @@ class Loop:
         self.seq_lens = DeviceArray.from_numpy(self.host_lengths, device)
         self.step = DecodeStep(args.layers, Hq, Hkv, D, max_batch=B, max_seq_len=self.capacity,
                                kv_layout=args.kv_layout, scale_mode=self.scale_mode,
-                               scale_dtype=self.scale_dtype, rope=self.rope, device=device)
+                               scale_dtype=self.scale_dtype, rope=self.rope,
+                               fused=not args.unfused, device=device)
         self.step.plan(self.host_lengths)
         self.fill_context()
         self.buffers = [LayerBuffers(cos_sin=self.table, **{name: a[name] for name in (
@@ -198,10 +203,16 @@ def identical(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) ->
 
 def oracle_error(loop: Loop, state: list[dict[str, np.ndarray]]) -> float:
     """Layer 0's last output against the float64 oracle over the final cache: the last step
-    attended exactly the final lengths, with the q it had just rotated."""
-    from lowlevel_fd.reference import decode_attention_ref
+    attended exactly the final lengths, with the q it had just rotated (in place unfused; the
+    fused kernel rotates a copy of the unchanged q at the last position)."""
+    from lowlevel_fd.reference import decode_attention_ref, rope_ref
     layer = state[0]
-    ref, _ = decode_attention_ref(layer["q"].astype(np.float32), layer["k_cache"],
+    q = layer["q"].astype(np.float32)
+    if loop.step.fused and loop.rope is not None:
+        positions = state[-1]["seq_lens"].astype(np.int64) - 1
+        table = loop.table.numpy(stream=loop.stream)
+        q = rope_ref(q, positions, style=loop.rope, cos_sin=table).astype(np.float16)
+    ref, _ = decode_attention_ref(q.astype(np.float32), layer["k_cache"],
                                   layer["v_cache"], layer["k_scale"], layer["v_scale"],
                                   state[-1]["seq_lens"], kv_layout=loop.args.kv_layout,
                                   scale_mode=loop.scale_mode)
@@ -242,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{L} layers, B={args.batch}, {args.context} tokens of context (+{args.warmup} "
           f"warm-up, +{args.steps} timed steps), H={loop.num_q_heads}/{loop.num_kv_heads} "
           f"D={args.head_dim} {args.kv_layout} {args.scale_mode} rope={args.rope} "
-          f"init={args.init}")
+          f"init={args.init} {'unfused' if args.unfused else 'fused'}")
     print(f"L2 honesty: {kv_bytes / 2**20:.1f} MiB of int8 K/V per step in {L} distinct "
           f"caches, L2 = {device.info.l2_bytes / 2**20:.0f} MiB")
     print(f"graph: {sum(kinds.values())} nodes "
-          f"{dict(kinds)}; {launches:g} kernel launches per layer (planned "
-          f"{described['launches_per_layer']}); attention splits "
-          f"{described['attention']['num_splits']}")
+          f"{dict(kinds)}; {launches:.3g} kernel launches per layer (planned "
+          f"{described['launches_per_layer']} per layer + {described['launches_per_step']} "
+          f"per step); attention splits {described['attention']['num_splits']}")
     print(f"{'':8}{'us/step median [p20, p80]':>34}{'us/layer median [p20, p80]':>34}")
     summaries = {}
     for name, samples in (("graph", graph_us), ("eager", eager_us)):
@@ -260,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     met = per_layer <= TARGET_US_PER_LAYER and launches <= TARGET_LAUNCHES
     print(f"target (H100, graph replay: <= {TARGET_US_PER_LAYER:g} us/layer in <= "
           f"{TARGET_LAUNCHES} launches/layer): {'PASS' if met else 'FAIL'} "
-          f"({per_layer:.2f} us/layer, {launches:g} launches/layer, {device.info.name})")
+          f"({per_layer:.2f} us/layer, {launches:.3g} launches/layer, {device.info.name})")
     print(f"graph replay vs eager after {args.warmup + args.steps} steps: "
           f"{'bitwise identical' if same else 'DIFFERENT'}")
     print(f"oracle, layer 0 last step: max|out-ref|/max|ref| = {error:.2e}; error flags {flags}")

@@ -1,137 +1,31 @@
 // Fused RoPE + INT8 quantization + cache write: the append of one decode step (append_token)
 // and the bulk write of whole prompts (quantize_prompt).
 //
-// Both kernels work on "rows": one head vector of D elements of K, V or Q. A row is spread over
-// kLanes = D/8 lanes, each holding 8 consecutive elements (one 16-byte load), so a row needs no
-// shared memory:
-//  * NeoX pairs (i, i + D/2) sit in lanes l and l + kLanes/2 at the same register: one
-//    xor-shuffle per element. GPT-J pairs (2i, 2i + 1) sit in one lane.
-//  * The per-token absmax is an xor-reduction over the row's lanes.
-//  * Every lane of a warp runs every shuffle (rows that need none discard the result), so the
-//    full-mask shuffles never diverge even when one warp holds K, V and Q rows at once.
-// A CTA keeps kRowsInFlight rows per lane group loaded at once: the kernels are latency bound
-// (a few KiB per sequence), so independent loads in flight matter more than anything else.
-//
-// Quantization is bit-exact with lowlevel_fd/quant.py: fp32 products rounded once (__fmul_rn,
-// no contraction into an FMA), reciprocals by __fdiv_rn, round-half-even, clamp to +-127 before
-// the cast (never wraps). RoPE and the K that it feeds are fp32; the rotated q is rounded once to
-// the input dtype.
+// Both kernels work on "rows" (rows.cuh): one head vector of D elements of K, V or Q spread
+// over kLanes = D/8 lanes, so a row needs no shared memory. Every lane of a warp runs every
+// shuffle (rows that need none discard the result), so the full-mask shuffles never diverge even
+// when one warp holds K, V and Q rows at once. A CTA keeps kRowsInFlight rows per lane group
+// loaded at once: the kernels are latency bound (a few KiB per sequence), so independent loads
+// in flight matter more than anything else. RoPE and the K that it feeds are fp32; the rotated
+// q is rounded once to the input dtype.
 #include "append_params.cuh"
+#include "rows.cuh"
 
 namespace llfd {
 
 constexpr int kThreads = 512;
 constexpr int kRowsInFlight = 2;
 constexpr int kPromptTokens = 8;  // tokens per quantize_prompt CTA
-constexpr uint32_t kFullMask = 0xffffffffu;
 
 template <int HEAD_DIM>
-struct RowShape {
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64/128/256");
-  static constexpr int kLanes = HEAD_DIM / 8;          // 8, 16 or 32: a power of two <= 32
-  static constexpr int kRowsPerPass = kThreads / kLanes;
+struct RowShape : RowLanes<HEAD_DIM> {
+  static constexpr int kRowsPerPass = kThreads / RowLanes<HEAD_DIM>::kLanes;
   static constexpr int kRowsPerRound = kRowsPerPass * kRowsInFlight;
 };
 
-// ---- rotary coefficients ---------------------------------------------------------------------
-// (cos, sin) of position `pos` and frequency `i`. The table path reads the caller's fp32 table
-// (host-checked to cover every position below the capacity). The theta path takes inv_freq in
-// double and rounds it to fp32, rounds the angle pos * inv_freq to fp32, as the usual fp32
-// implementations do, and evaluates it with the accurate sincosf (full range reduction: right for
-// any angle). Inline exp2/log2 rather than pow: pow is an out-of-line call, and around a call
-// sincosf's range-reduction scratch lands in a 32-byte stack frame.
 template <int HEAD_DIM>
 __device__ __forceinline__ float2 rope_coefficients(const AppendParams& p, int pos, int i) {
-  if (p.cos_sin != nullptr)
-    return __ldg(reinterpret_cast<const float2*>(p.cos_sin) +
-                 static_cast<int64_t>(pos) * (HEAD_DIM / 2) + i);
-  const float inv_freq = static_cast<float>(
-      exp2(-2.0 * i / HEAD_DIM * log2(static_cast<double>(p.rope_theta))));
-  float s, c;
-  sincosf(__fmul_rn(static_cast<float>(pos), inv_freq), &s, &c);
-  return make_float2(c, s);
-}
-
-// ---- row helpers -----------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&x)[8]) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    x[2 * w] = to_float<T>(static_cast<uint16_t>(words[w] & 0xffffu));
-    x[2 * w + 1] = to_float<T>(static_cast<uint16_t>(words[w] >> 16));
-  }
-}
-
-// Rotate this lane's 8 elements when `apply`; `cs` holds (cos, sin) for frequencies 0..D/2-1.
-template <int ROPE, int HEAD_DIM>
-__device__ __forceinline__ void rotate(float (&x)[8], const float2* cs, int lane, bool apply) {
-  if constexpr (ROPE == kRopeNeox) {
-    constexpr int kHalf = RowShape<HEAD_DIM>::kLanes / 2;
-    const bool second = lane >= kHalf;  // this lane holds the i + D/2 halves
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float partner = __shfl_xor_sync(kFullMask, x[e], kHalf);
-      const float2 c = cs[8 * (lane & (kHalf - 1)) + e];
-      const float out = second ? partner * c.y + x[e] * c.x : x[e] * c.x - partner * c.y;
-      if (apply) x[e] = out;
-    }
-  } else if constexpr (ROPE == kRopeGptj) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 c = cs[4 * lane + e];
-      const float first = x[2 * e], second = x[2 * e + 1];
-      if (apply) {
-        x[2 * e] = first * c.x - second * c.y;
-        x[2 * e + 1] = first * c.y + second * c.x;
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ uint32_t quantize4(const float* x, float inv) {
-  uint32_t word = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int q = max(-127, min(127, __float2int_rn(__fmul_rn(x[j], inv))));
-    word |= (static_cast<uint32_t>(q) & 0xffu) << (8 * j);
-  }
-  return word;
-}
-
-// Quantize one row (this lane's 8 elements) and, when `active`, write its bytes at `dst` and, in
-// per-token mode, its scale at `scale_dst`. `given_scale` is the per-tensor/per-head scale.
-// The absmax reduction runs on every lane (see the top of the file).
-template <int HEAD_DIM, int SCALE_MODE, typename ScaleT>
-__device__ __forceinline__ void quantize_row(const float (&x)[8], bool active, float given_scale,
-                                             int8_t* dst, void* scale_dst, int lane) {
-  float inv;
-  if constexpr (SCALE_MODE == kScalePerToken) {
-    float absmax = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) absmax = fmaxf(absmax, fabsf(x[e]));
-    absmax = warp_max_xor(absmax, RowShape<HEAD_DIM>::kLanes / 2);
-    inv = absmax > 0.f ? __fdiv_rn(127.f, absmax) : 0.f;
-    if (active && lane == 0) {
-      const float scale = __fdiv_rn(absmax, 127.f);
-      if constexpr (sizeof(ScaleT) == 2)
-        *static_cast<uint16_t*>(scale_dst) = from_float<f16>(scale);
-      else
-        *static_cast<float*>(scale_dst) = scale;
-    }
-  } else {
-    inv = given_scale != 0.f ? __fdiv_rn(1.f, given_scale) : 0.f;
-  }
-  const uint32_t lo = quantize4(x, inv), hi = quantize4(x + 4, inv);
-  if (active) *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
-}
-
-template <int SCALE_MODE>
-__device__ __forceinline__ float given_scale(const void* scales, int head) {
-  if constexpr (SCALE_MODE == kScalePerTensor) return __ldg(static_cast<const float*>(scales));
-  else if constexpr (SCALE_MODE == kScalePerHead)
-    return __ldg(static_cast<const float*>(scales) + head);
-  else return 0.f;
+  return rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos, i);
 }
 
 // ---- append_token: one new token per sequence ------------------------------------------------
@@ -206,9 +100,10 @@ __global__ void __launch_bounds__(kThreads) append_token(const __grid_constant__
       void* scales = is_k ? p.k_scale : p.v_scale;
       const float scale = kv ? given_scale<SCALE_MODE>(scales, head) : 0.f;
       const int64_t scale_index = b * p.scale_batch_stride + head * p.scale_head_stride + pos;
+      float dequant;
       quantize_row<HEAD_DIM, SCALE_MODE, ScaleT>(
           x, kv, scale, (is_k ? p.k_cache : p.v_cache) + cache_row + head * p.kv_head_stride,
-          static_cast<ScaleT*>(scales) + scale_index, lane);
+          static_cast<ScaleT*>(scales) + scale_index, lane, dequant);
     }
   }
   // ---- advance: every thread read the position above, so bumping it after the barrier
@@ -284,10 +179,11 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
       const float scale = active ? given_scale<SCALE_MODE>(scales, head) : 0.f;
       const int64_t offset = b * p.kv_batch_stride + head * p.kv_head_stride +
                              t * p.kv_token_stride + 8 * lane;
+      float dequant;
       quantize_row<HEAD_DIM, SCALE_MODE, ScaleT>(
           x, active, scale, (is_k ? p.k_cache : p.v_cache) + offset,
           static_cast<ScaleT*>(scales) + b * p.scale_batch_stride + head * p.scale_head_stride + t,
-          lane);
+          lane, dequant);
     }
   }
 }

@@ -6,8 +6,6 @@
 
 namespace llfd {
 
-enum RopeStyle : int { kRopeNone = 0, kRopeNeox = 1, kRopeGptj = 2 };
-
 // Bits of *error_flags, sticky until the host clears them.
 constexpr uint32_t kErrorPositionOutsideCache = 1u;  // a position < 0 or >= capacity: not written
 constexpr uint32_t kErrorPromptLength = 2u;          // a prompt length < 0 or > S: clamped

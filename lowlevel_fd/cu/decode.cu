@@ -16,6 +16,7 @@
 //  * For PV the k dimension is tokens: lane (g, c) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the tile
 //    at bytes [VB*g, VB*g + VB) (VB = D/8); byte pairs of two tokens become the A fragment.
 //    m-block 2w + i covers dims VB*g + 4w + 2i (row g) and VB*g + 4w + 2i + 1 (row g + 8).
+#include "decode_append.cuh"
 #include "decode_fragments.cuh"
 #include "decode_merge.cuh"
 
@@ -57,20 +58,40 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __shared__ uint2 query_shared[kQueryInShared ? kBlocks * G::kChunks : 1][32];
   uint32_t qb[kBlocks][G::kChunks][2];
   float head_scale[kBlocks];
-  load_query<HEAD_DIM, GROUP, QT, kBlocks>(
-      qb, head_scale,
-      static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride + head0 * p.q_head_stride,
-      p.q_head_stride, g, c);
-  if constexpr (kQueryInShared) {
-    if (warp == 0)
+  auto fetch_query = [&](const uint16_t* group, int64_t head_stride) __attribute__((always_inline)) {
+    load_query<HEAD_DIM, GROUP, QT, kBlocks>(qb, head_scale, group, head_stride, g, c);
+    if constexpr (kQueryInShared) {
+      if (warp == 0)
 #pragma unroll
-      for (int hb = 0; hb < kBlocks; ++hb)
+        for (int hb = 0; hb < kBlocks; ++hb)
 #pragma unroll
-        for (int j = 0; j < G::kChunks; ++j)
-          query_shared[hb * G::kChunks + j][lane] = make_uint2(qb[hb][j][0], qb[hb][j][1]);
-    __syncthreads();
+          for (int j = 0; j < G::kChunks; ++j)
+            query_shared[hb * G::kChunks + j][lane] = make_uint2(qb[hb][j][0], qb[hb][j][1]);
+      __syncthreads();
+    }
+  };
+  // The fused append (decode_append.cuh) stages the query group rotated, after the length
+  // read; its first rows are loaded here, before that read.
+  __shared__ NewTokenShared<HEAD_DIM, GROUP> fresh;
+  const bool append = p.append != 0;
+  uint4 first_raw = make_uint4(0, 0, 0, 0);
+  if (append)
+    first_raw = load_new_row<HEAD_DIM, GROUP>(p, b, kvh, threadIdx.x / RowLanes<HEAD_DIM>::kLanes,
+                                              threadIdx.x % RowLanes<HEAD_DIM>::kLanes);
+  else
+    fetch_query(static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
+                    head0 * p.q_head_stride,
+                p.q_head_stride);
+  int len, pos = 0;
+  bool appended = false;
+  if (append) {
+    pos = p.seq_lens[b];
+    appended = pos >= 0 && pos < p.capacity;
+    len = appended ? pos + 1 : (pos < 0 ? 0 : p.capacity);
+    if (!appended) atomicOr(p.error_flags, 1u);  // nothing written; the host can read why
+  } else {
+    len = clamped_length(p, b);
   }
-  const int len = clamped_length(p, b);
   int chunk, active;
   split_range(len, p, chunk, active);
 
@@ -87,7 +108,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
   // A cluster's idle CTAs (split >= active) stay for the cluster barriers with empty ranges.
   const bool idle = split >= active;
   if (!CLUSTER && idle) return;
-  const int start = idle ? 0 : split * chunk, end = idle ? 0 : min(len, start + chunk);
+  // The last active split holds the appended token: its warps stream the cache up to it.
+  const bool has_new = appended && split == active - 1;
+  const int start = idle ? 0 : split * chunk;
+  const int end = (idle ? 0 : min(len, start + chunk)) - (has_new ? 1 : 0);
 
   float k_const = p.score_scale_log2, v_const = 1.f;
   if constexpr (SCALE_MODE == kScalePerTensor) {
@@ -97,14 +121,6 @@ decode_split(const __grid_constant__ DecodeParams p) {
     k_const *= __ldg(static_cast<const float*>(p.k_scale) + kvh);
     v_const = __ldg(static_cast<const float*>(p.v_scale) + kvh);
   }
-  // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the
-  // lanes that loaded those heads (lane 4 * head).
-  float col_const[kBlocks][2];
-#pragma unroll
-  for (int hb = 0; hb < kBlocks; ++hb)
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      col_const[hb][i] = k_const * __shfl_sync(0xffffffffu, head_scale[hb], 4 * (2 * c + i));
   const int64_t kv_offset = b * p.kv_batch_stride + kvh * p.kv_head_stride;
   const int8_t* k_base = p.k_cache + kv_offset;
   const int8_t* v_base = p.v_cache + kv_offset;
@@ -137,6 +153,19 @@ decode_split(const __grid_constant__ DecodeParams p) {
                                                         first + st * kStep, end, lane);
     cp_async_commit();  // empty groups keep the group count uniform
   }
+  if (append) {  // while the first tiles load: rotate, quantize, write the new token
+    stage_new_token<HEAD_DIM, GROUP, SCALE_MODE, QT, ScaleT, NUM_WARPS * 32>(
+        p, fresh, first_raw, b, kvh, pos, appended, has_new);
+    fetch_query(&fresh.q[0][0], HEAD_DIM);
+  }
+  // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the
+  // lanes that loaded those heads (lane 4 * head).
+  float col_const[kBlocks][2];
+#pragma unroll
+  for (int hb = 0; hb < kBlocks; ++hb)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      col_const[hb][i] = k_const * __shfl_sync(0xffffffffu, head_scale[hb], 4 * (2 * c + i));
   int stage = 0;
 #pragma unroll 1
   for (int t0 = first; t0 < end; t0 += kStep) {
@@ -304,13 +333,16 @@ decode_split(const __grid_constant__ DecodeParams p) {
         dst[d + 1] = acc[hb][mb][2 + col] * v_ref;
       }
     }
+  if (has_new) new_token_scores<HEAD_DIM, GROUP, QT, NUM_WARPS>(p, fresh, warp, lane);
   __syncthreads();
 
   const bool single = active == 1;
   const int64_t part = ((static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits + split);
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
     const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
-    float best = kNegInf;
+    // The appended token is one more partial: sum 1, its score, its V.
+    const float fresh_score = has_new ? fresh.score[row] : kNegInf;
+    float best = fresh_score;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) best = fmaxf(best, warp_max[w][row]);
     float total = 0.f, value = 0.f;
@@ -319,6 +351,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
       const float weight = fast_exp2(warp_max[w][row] - best);
       total += warp_sum[w][row] * weight;
       value += smem[(w * GROUP + row) * HEAD_DIM + d] * weight;
+    }
+    if (has_new) {
+      const float weight = fast_exp2(fresh_score - best);
+      total += weight;
+      value += fresh.value[d] * weight;
     }
     // Per-tensor and per-head V scales multiply the output once instead of every element.
     value = idle ? 0.f : value * v_const / total;

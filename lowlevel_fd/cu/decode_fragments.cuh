@@ -98,7 +98,7 @@ __device__ __forceinline__ void load_query(uint32_t (&qb)[BLOCKS][Geometry<HEAD_
       if (head < GROUP) {
         const uint4* src = reinterpret_cast<const uint4*>(q_group + head * q_head_stride +
                                                           64 * u + 16 * c);
-        const uint4 lo = __ldg(src), hi = __ldg(src + 1);
+        const uint4 lo = src[0], hi = src[1];  // generic: global q or the staged group
         words[u][0] = lo.x; words[u][1] = lo.y; words[u][2] = lo.z; words[u][3] = lo.w;
         words[u][4] = hi.x; words[u][5] = hi.y; words[u][6] = hi.z; words[u][7] = hi.w;
       }

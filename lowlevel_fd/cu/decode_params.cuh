@@ -6,6 +6,7 @@
 namespace llfd {
 
 enum ScaleMode : int { kScalePerTensor = 0, kScalePerHead = 1, kScalePerToken = 2 };
+enum RopeStyle : int { kRopeNone = 0, kRopeNeox = 1, kRopeGptj = 2 };
 
 struct DecodeParams {
   const void* q;            // [B, Hq, D] fp16/bf16
@@ -30,7 +31,18 @@ struct DecodeParams {
   int32_t min_split_tokens; // a split never gets fewer tokens than this (multiple of 16)
   int32_t capacity;         // tokens per sequence the cache holds (lengths are clamped to it)
   int32_t fused_merge;      // 1: the last split CTA merges; 0: a combine kernel follows
+  int32_t append;           // 1: fused append (decode_append.cuh): seq_lens are the positions
+  int32_t rope;             //   of the new tokens; RopeStyle of their rotation
+  float rope_theta;         //   inv_freq[i] = theta^(-2i/D) when cos_sin is null
+  int32_t reserved;
+  const void* k_new;        //   the new tokens' K and V: [B, Hkv, D] like q
+  const void* v_new;
+  const float* cos_sin;     //   [max_pos >= capacity, D/2, 2] fp32, or null
+  int64_t k_new_batch_stride, k_new_head_stride;  // elements
+  int64_t v_new_batch_stride, v_new_head_stride;  // elements
 };
+
+static_assert(sizeof(DecodeParams) == 264, "keep in sync with lowlevel_fd/decode/params.py");
 
 // How many splits sequence `len` uses and how many tokens each gets (a multiple of 16).
 // Computed on the device from the live length, so a captured graph stays right as lengths grow.

@@ -2,6 +2,7 @@
 kernel's parameter block. Everything is checked before anything is written or launched."""
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 from . import validate as check
@@ -98,3 +99,43 @@ def bind_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_cache: Any, v_
         p.scale_batch_stride = ks.strides[0] // ks.itemsize
         p.scale_head_stride = ks.strides[1] // ks.itemsize
     p.capacity = capacity
+
+
+def _new_rows(plan: "DecodePlan", name: str, obj: Any, batch: int) -> Any:
+    """The new tokens' K or V: ``[B, Hkv, D]`` in the query dtype, rows 16-byte aligned."""
+    array = check.device_array(name, obj, plan.device)
+    check.dtype(name, array, (plan.q_dtype,))
+    check.shape(name, array, (batch, plan.num_kv_heads, plan.head_dim), "[B, Hkv, D]")
+    check.inner_contiguous(name, array)
+    check.aligned(name, array, 16, (0, 1))
+    return array
+
+
+def bind_append_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_new: Any, v_new: Any,
+                          k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+                          positions: Any, out: Any, lse: Any, cos_sin: Any) -> None:
+    """run()'s checks, plus the new tokens, the written caches and scales, and the RoPE table;
+    ``p`` is written only when all of them pass."""
+    from ..append.bind import rope_table  # the append kernels' table check (same layout)
+
+    B = plan._batch
+    kn = _new_rows(plan, "k_new", k_new, B)
+    vn = _new_rows(plan, "v_new", v_new, B)
+    scratch = DecodeParams.from_buffer_copy(p)  # keeps the plan's fields
+    bind_arguments(plan, scratch, q, k_cache, v_cache, k_scale, v_scale, positions, out, lse)
+    for name, obj in (("k_cache", k_cache), ("v_cache", v_cache)):  # written at the positions
+        check.no_internal_overlap(name, check.device_array(name, obj, plan.device))
+    if plan.scale_mode == "token":
+        for name, obj in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check.no_internal_overlap(name, check.device_array(name, obj, plan.device))
+    scratch.cos_sin = rope_table(plan, cos_sin, scratch.capacity)
+    scratch.append = 1
+    scratch.rope = {None: 0, "neox": 1, "gptj": 2}[plan.rope]
+    scratch.rope_theta = plan.rope_theta
+    scratch.k_new, scratch.v_new = kn.ptr, vn.ptr
+    item = kn.itemsize
+    scratch.k_new_batch_stride = kn.strides[0] // item
+    scratch.k_new_head_stride = kn.strides[1] // item
+    scratch.v_new_batch_stride = vn.strides[0] // item
+    scratch.v_new_head_stride = vn.strides[1] // item
+    ctypes.memmove(ctypes.addressof(p), ctypes.addressof(scratch), ctypes.sizeof(p))

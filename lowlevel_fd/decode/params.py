@@ -15,7 +15,14 @@ class DecodeParams(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in _STRIDES]
                 + [("score_scale_log2", ctypes.c_float), ("num_kv_heads", ctypes.c_int32),
                    ("num_splits", ctypes.c_int32), ("min_split_tokens", ctypes.c_int32),
-                   ("capacity", ctypes.c_int32), ("fused_merge", ctypes.c_int32)])
+                   ("capacity", ctypes.c_int32), ("fused_merge", ctypes.c_int32),
+                   # the fused append (DecodePlan.append_and_run)
+                   ("append", ctypes.c_int32), ("rope", ctypes.c_int32),
+                   ("rope_theta", ctypes.c_float), ("reserved", ctypes.c_int32)]
+                + [(name, ctypes.c_uint64) for name in ("k_new", "v_new", "cos_sin")]
+                + [(name, ctypes.c_int64) for name in (
+                    "k_new_batch_stride", "k_new_head_stride", "v_new_batch_stride",
+                    "v_new_head_stride")])
 
 
-assert ctypes.sizeof(DecodeParams) == 192, "must match sizeof(llfd::DecodeParams)"
+assert ctypes.sizeof(DecodeParams) == 264, "must match sizeof(llfd::DecodeParams)"

@@ -11,32 +11,35 @@ import numpy as np
 from ..driver import Device, DeviceArray, Kernel, LaunchConfig, Module, PreparedLaunch
 from ..driver.stream import StreamLike
 from . import validate as check
-from .bind import bind_arguments
+from .bind import bind_append_arguments, bind_arguments
 from .params import DecodeParams
 from .planner import MAX_CLUSTER, MAX_SPLITS, TileConfig, Workload, choose
 from .variants import GROUP_SIZES, HEAD_DIMS, DecodeVariant
 
 KV_LAYOUTS = ("bnsh", "bsnh")
+_ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}  # RopeStyle in cu/decode_params.cuh
 SCALE_MODES = ("tensor", "head", "token")
 _LOG2E = 1.4426950408889634
 _loaded: dict[tuple[int, DecodeVariant], tuple[Module, Kernel, Kernel]] = {}
 
 
-def load_variant(variant: DecodeVariant, device: Device) -> tuple[Kernel, Kernel]:
-    """Compile (cached on disk) and load a variant once per process and device."""
+def load_variant(variant: DecodeVariant, device: Device) -> tuple[Kernel, Kernel, Kernel]:
+    """Compile (cached on disk) and load a variant once per process and device: its split
+    kernel, its combine kernel and the fused-append step's length bump."""
     key = (device.ordinal, variant)
     if key not in _loaded:
         program = variant.compile(device.arch)
         module = Module(program.cubin, device)
         split = module.get_kernel(program.symbol(variant.split_kernel))
         combine = module.get_kernel(program.symbol(variant.combine_kernel))
+        advance = module.get_kernel(program.symbol(variant.advance_kernel))
         if variant.dynamic_shared_bytes > 48 * 1024:
             split.set_max_dynamic_shared(variant.dynamic_shared_bytes)
         if variant.cluster:
             split.allow_large_clusters()
-        _loaded[key] = (module, split, combine)
-    _, split, combine = _loaded[key]
-    return split, combine
+        _loaded[key] = (module, split, combine, advance)
+    _, split, combine, advance = _loaded[key]
+    return split, combine, advance
 
 
 class DecodePlan:
@@ -50,7 +53,8 @@ class DecodePlan:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
                  max_seq_len: int, q_dtype: str = "float16", kv_layout: str = "bnsh",
                  scale_mode: str = "token", scale_dtype: str = "float32",
-                 sm_scale: float | None = None, device: Device | None = None) -> None:
+                 sm_scale: float | None = None, rope: str | None = None,
+                 rope_theta: float = 10000.0, device: Device | None = None) -> None:
         num_q_heads = check.integer("num_q_heads", num_q_heads)
         num_kv_heads = check.integer("num_kv_heads", num_kv_heads)
         head_dim = check.integer("head_dim", head_dim)
@@ -81,6 +85,12 @@ class DecodePlan:
             if sm_scale == 0.0:
                 raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+        # RoPE of append_and_run's new token and query (run() never rotates).
+        check.choice("rope", rope, _ROPE_IDS)
+        theta = check.real("rope_theta", rope_theta)
+        if not theta > 1.0:
+            raise ValueError(f"rope_theta: expected a finite base > 1, got {rope_theta!r}")
+        self.rope, self.rope_theta = rope, theta
         self.device = check.device_option(device)
         self._workspace: dict[str, DeviceArray] = {}
         self._params = DecodeParams()
@@ -117,7 +127,7 @@ class DecodePlan:
             raise ValueError(f"config: {variant.dynamic_shared_bytes} bytes of shared memory per "
                              f"CTA exceed the device's {self.device.info.max_shared_per_block_optin}"
                              f" (fewer warps, stages or tiles)")
-        split, combine = load_variant(variant, self.device)
+        split, combine, advance = load_variant(variant, self.device)
         ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
         if not 1 <= config.num_splits <= MAX_SPLITS:
             raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got "
@@ -146,6 +156,7 @@ class DecodePlan:
             scratch = (MAX_SPLITS + 2) * self.group_size * 4  # decode_combine's merge weights
             self._combine = combine.prepare(
                 LaunchConfig((self.num_kv_heads, batch), 128, scratch), p)
+        self._advance, self._hopper = advance, hopper
         self._batch, self._planned_max = batch, longest
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
@@ -190,9 +201,53 @@ class DecodePlan:
         self._require_open()
         bind_arguments(self, self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
                        out, lse)
+        self._params.append = 0
         self._split.launch(stream)
         if self._combine is not None:
             self._combine.launch(stream)
+
+    def append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
+                       k_scale: Any, v_scale: Any, positions: Any, out: Any, *,
+                       cos_sin: Any = None, lse: Any = None, stream: StreamLike) -> None:
+        """One launch that appends each sequence's new token and attends over the cache with it.
+
+        For every b with 0 <= positions[b] < S_max: rotate k_new[b] and q[b] at position
+        positions[b] (RoPE per the constructor's ``rope``; q itself is not modified), quantize
+        k_new[b] and v_new[b] with the plan's scale mode (writing per-token scales), write them
+        at positions[b] in the caches, and set out[b, h] to the attention of the rotated q over
+        the positions[b] + 1 tokens. Plan with those lengths (positions + 1). A position outside
+        the cache writes nothing and attends the tokens there are (bit 0 of error_flags).
+        ``positions`` is not advanced (``advance_lengths`` does that). k_new, v_new:
+        ``[B, Hkv, D]`` like q; cos_sin: optional fp32 ``[max_pos >= S_max, D/2, 2]`` table
+        (else the angles come from ``rope_theta``). Enqueued on ``stream``; returns at once.
+        """
+        if self._split is None:
+            raise RuntimeError("append_and_run: call plan(seq_lens) first")
+        self._require_open()
+        bind_append_arguments(self, self._params, q, k_new, v_new, k_cache, v_cache, k_scale,
+                              v_scale, positions, out, lse, cos_sin)
+        self._split.launch(stream)
+        if self._combine is not None:
+            self._combine.launch(stream)
+
+    def advance_lengths(self, seq_lens: Any, capacity: int, *, stream: StreamLike) -> None:
+        """seq_lens[b] += 1 where 0 <= seq_lens[b] < capacity, on the device: after the
+        append_and_run calls of a step (which all read the same positions)."""
+        if self._split is None:
+            raise RuntimeError("advance_lengths: call plan(seq_lens) first")
+        self._require_open()
+        lengths = check.device_array("seq_lens", seq_lens, self.device)
+        check.dtype("seq_lens", lengths, ("int32",))
+        check.contiguous("seq_lens", lengths)
+        if lengths.ndim != 1:
+            raise ValueError(f"seq_lens: expected shape [B], got {lengths.shape}")
+        capacity = check.integer("capacity", capacity)
+        if not 1 <= capacity < 2**31:
+            raise ValueError(f"capacity: expected the caches' S_max in [1, 2**31), got {capacity}")
+        batch = lengths.shape[0]
+        blocks = max(1, min(-(-batch // 256), 1024))
+        self._advance.prepare(LaunchConfig(blocks, 256, programmatic=self._hopper), lengths,
+                              np.int32(batch), np.int32(capacity)).launch(stream)
 
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:

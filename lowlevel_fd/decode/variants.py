@@ -64,6 +64,8 @@ class DecodeVariant:
         return (f"llfd::decode_combine<{self.head_dim}, {self.group_size}, "
                 f"{_CXX_TYPE[self.q_dtype]}>")
 
+    advance_kernel = "llfd::advance_lengths"  # the fused-append step's length bump
+
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
@@ -78,7 +80,7 @@ class DecodeVariant:
 
     def compile(self, arch: str) -> CompiledProgram:
         return compile_cached(SOURCE, CompileOptions(arch=arch),
-                              (self.split_kernel, self.combine_kernel))
+                              (self.split_kernel, self.combine_kernel, self.advance_kernel))
 
 
 def shipped_variants(num_warps: tuple[int, ...] = PLANNER_WARPS) -> Iterator[DecodeVariant]:

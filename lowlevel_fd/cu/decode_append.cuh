@@ -1,0 +1,134 @@
+// The decode kernel's fused append (DecodeParams::append = 1): the step's new token is rotated,
+// quantized, written into the cache and attended in the same launch as the attention.
+//
+// seq_lens[b] is then the write position pos (the tokens already cached); the kernel attends
+// pos + 1 tokens. Every CTA stages its query group in shared memory, rotated at pos (RoPE, as
+// append_token rotates it: fp32, rounded once to the query dtype), and quantizes the new K and V
+// rows with the helpers of rows.cuh, so the bytes are those append_token would write. Only the
+// CTA whose split holds position pos (the last active split) writes them into the cache; its
+// warps stream tokens [start, pos) from the cache as usual and the new token joins the CTA's
+// merge as one more partial (score from the fp32 rotated q and the quantized K, value the
+// dequantized V), so it is never read back from memory inside the launch.
+//
+// A position outside [0, capacity) writes nothing, leaves q unrotated (as append_token does),
+// attends the min(max(pos, 0), capacity) cached tokens and sets bit 0 of error_flags.
+#pragma once
+#include "rows.cuh"
+
+namespace llfd {
+
+template <int HEAD_DIM, int GROUP>
+struct NewTokenShared {
+  uint16_t q[GROUP][HEAD_DIM];  // the query group, rotated, in the query dtype
+  int8_t k[HEAD_DIM];           // the new token, quantized
+  float value[HEAD_DIM];        // its V, dequantized (times its per-token scale)
+  float2 cs[HEAD_DIM / 2];      // RoPE (cos, sin) at pos
+  float k_dequant;              // the scale a reader of its K applies
+  float score[GROUP];           // its base-2 scores, per head of the group
+};
+
+// Row `row` of the staging pass: the query heads 0..GROUP-1, then the new K and V rows.
+template <int HEAD_DIM, int GROUP>
+__device__ __forceinline__ uint4 load_new_row(const DecodeParams& p, int b, int kvh, int row,
+                                              int lane) {
+  const uint16_t* src;
+  if (row < GROUP)
+    src = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
+          (kvh * GROUP + row) * p.q_head_stride;
+  else if (row == GROUP)
+    src = static_cast<const uint16_t*>(p.k_new) + b * p.k_new_batch_stride +
+          kvh * p.k_new_head_stride;
+  else if (row == GROUP + 1)
+    src = static_cast<const uint16_t*>(p.v_new) + b * p.v_new_batch_stride +
+          kvh * p.v_new_head_stride;
+  else
+    return make_uint4(0, 0, 0, 0);
+  return *reinterpret_cast<const uint4*>(src + 8 * lane);
+}
+
+// The whole CTA: rotate and stage the query group, quantize the new K and V rows (writing them
+// into the cache when `writer`), fill sh.k, sh.value and sh.k_dequant. `first_raw` is this
+// thread's row of the first pass, loaded before the length was known.
+template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS>
+__device__ __forceinline__ void stage_new_token(const DecodeParams& p,
+                                                NewTokenShared<HEAD_DIM, GROUP>& sh,
+                                                uint4 first_raw, int b, int kvh, int pos,
+                                                bool rotate_now, bool writer) {
+  constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;
+  constexpr int kRows = GROUP + 2;
+  const int lane = threadIdx.x % kLanes, slot = threadIdx.x / kLanes;
+  const int rope = rotate_now ? p.rope : kRopeNone;
+  if (rope != kRopeNone) {
+    for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
+      sh.cs[i] = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos, i);
+    __syncthreads();
+  }
+  const int64_t cache_row = b * p.kv_batch_stride + kvh * p.kv_head_stride +
+                            static_cast<int64_t>(pos) * p.kv_token_stride + 8 * lane;
+  const int64_t scale_index = b * p.scale_batch_stride + kvh * p.scale_head_stride + pos;
+#pragma unroll 1
+  for (int base = 0; base < kRows; base += kRowsPerPass) {  // uniform across the CTA
+    const int row = base + slot;
+    const uint4 raw = base == 0 ? first_raw
+                                : load_new_row<HEAD_DIM, GROUP>(p, b, kvh, row, lane);
+    const bool is_q = row < GROUP, is_k = row == GROUP, is_v = row == GROUP + 1;
+    float x[8];
+    unpack8<QT>(raw, x);
+    if (rope == kRopeNeox) rotate<kRopeNeox, HEAD_DIM>(x, sh.cs, lane, is_q || is_k);
+    else if (rope == kRopeGptj) rotate<kRopeGptj, HEAD_DIM>(x, sh.cs, lane, is_q || is_k);
+    if (is_q)
+      *reinterpret_cast<uint4*>(&sh.q[row][8 * lane]) =
+          make_uint4(pack2<QT>(x[0], x[1]), pack2<QT>(x[2], x[3]), pack2<QT>(x[4], x[5]),
+                     pack2<QT>(x[6], x[7]));
+    // Quantize: every lane of the warp runs the row's reduction; only K/V rows keep the result.
+    const bool kv = is_k || is_v;
+    const void* scales = is_k ? p.k_scale : p.v_scale;
+    const float given = kv ? given_scale<SCALE_MODE>(scales, kvh) : 0.f;
+    int8_t* cache = const_cast<int8_t*>(is_k ? p.k_cache : p.v_cache) + cache_row;
+    ScaleT* scale_dst = static_cast<ScaleT*>(const_cast<void*>(scales)) + scale_index;
+    float dequant;
+    const uint2 bytes = quantize_row<HEAD_DIM, SCALE_MODE, ScaleT>(x, kv && writer, given, cache,
+                                                                   scale_dst, lane, dequant);
+    if (is_k) {
+      *reinterpret_cast<uint2*>(&sh.k[8 * lane]) = bytes;
+      if (lane == 0) sh.k_dequant = dequant;
+    } else if (is_v) {
+      // Per-tensor and per-head V scales multiply the merged output once (v_const).
+      const float scale = SCALE_MODE == kScalePerToken ? dequant : 1.f;
+      const uint32_t words[2] = {bytes.x, bytes.y};
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        sh.value[8 * lane + e] =
+            static_cast<float>(static_cast<int8_t>(words[e / 4] >> (8 * (e % 4)))) * scale;
+    }
+  }
+  __syncthreads();
+}
+
+// Warp `warp` of NUM_WARPS: the new token's base-2 score for heads warp, warp + NUM_WARPS, ...
+// (exact fp32 dot products of the staged query and the quantized K).
+template <int HEAD_DIM, int GROUP, typename QT, int NUM_WARPS>
+__device__ __forceinline__ void new_token_scores(const DecodeParams& p,
+                                                 NewTokenShared<HEAD_DIM, GROUP>& sh, int warp,
+                                                 int lane) {
+  for (int head = warp; head < GROUP; head += NUM_WARPS) {
+    float dot = 0.f;
+#pragma unroll
+    for (int d = lane; d < HEAD_DIM; d += 32)
+      dot += to_float<QT>(sh.q[head][d]) * static_cast<float>(sh.k[d]);
+    dot = warp_sum_xor(dot, 16);
+    if (lane == 0) sh.score[head] = dot * sh.k_dequant * p.score_scale_log2;
+  }
+}
+
+// decode_step's end: seq_lens[b] += 1 where the fused append wrote (0 <= pos < capacity).
+__global__ void __launch_bounds__(256) advance_lengths(int32_t* seq_lens, int32_t batch,
+                                                       int32_t capacity) {
+  wait_for_previous_grid();  // the step's kernels read the positions first
+  for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < batch; b += gridDim.x * blockDim.x) {
+    const int pos = seq_lens[b];
+    if (pos >= 0 && pos < capacity) seq_lens[b] = pos + 1;
+  }
+}
+
+}  // namespace llfd

@@ -1,0 +1,202 @@
+"""DecodePlan.append_and_run on the GPU: the new token is rotated, quantized, written and attended
+in one launch. Checked against the float64 oracle on a host mirror (append_ref, then attention
+over positions + 1 tokens with the rotated query), against the unfused path (AppendPlan then
+DecodePlan.run: the cache bytes are identical), over the support matrix, the forced launch
+configurations, ragged and odd positions, and positions outside the cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from decode_case import TOLERANCE, Case
+
+from lowlevel_fd.append import AppendPlan
+from lowlevel_fd.append.reference import append_ref
+from lowlevel_fd.decode import TileConfig
+from lowlevel_fd.driver import DeviceArray, dtypes
+from lowlevel_fd.reference import decode_attention_ref, rope_table
+
+pytestmark = pytest.mark.gpu
+
+THETA = 500000.0
+POSITIONS = [0, 63, 1024, 4097]  # the first token, a tile edge, a split edge, odd and long
+CAPACITY = 4100  # even (fp16 token scales), room for every new token
+
+
+class Fused:
+    """One append_and_run call: host mirror, device buffers, the plan."""
+
+    def __init__(self, rng, positions, *, capacity=CAPACITY, rope=None, table=False,
+                 num_q_heads=32, num_kv_heads=8, head_dim=128, **options):
+        self.case = Case.random(rng, positions, capacity=capacity, num_q_heads=num_q_heads,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, **options)
+        c, qt = self.case, dtypes.as_dtype(self.case.q_dtype)
+        shape = (c.batch, num_kv_heads, head_dim)
+        # K of unit variance, V twice as large: per-token scales differ from the cache's.
+        self.k_new = rng.standard_normal(shape).astype(qt)
+        self.v_new = (2 * rng.standard_normal(shape)).astype(qt)
+        self.rope = rope
+        self.table = rope_table(capacity, head_dim, THETA) if table else None
+        self.positions = np.asarray(positions, np.int64)
+        self.plan = c.make_plan(rope=rope, rope_theta=THETA)
+        self.device = c.upload()
+        self.device["k_new"] = DeviceArray.from_numpy(self.k_new)
+        self.device["v_new"] = DeviceArray.from_numpy(self.v_new)
+        self.device["cos_sin"] = (None if self.table is None
+                                  else DeviceArray.from_numpy(self.table))
+
+    def attended(self) -> np.ndarray:
+        pos, cap = self.positions, self.case.capacity
+        return np.where((pos >= 0) & (pos < cap), pos + 1, np.clip(pos, 0, cap))
+
+    def run(self, stream, config: TileConfig | None = None):
+        d = self.device
+        self.plan.plan(np.maximum(self.attended(), 0), config=config)
+        d["out"].fill(float("nan"))
+        d["lse"].fill(float("nan"))
+        self.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],
+                                 d["v_scale"], d["seq_lens"], d["out"], cos_sin=d["cos_sin"],
+                                 lse=d["lse"], stream=stream)
+        stream.synchronize()
+        return d["out"].numpy().astype(np.float64), d["lse"].numpy().astype(np.float64)
+
+    def oracle(self):
+        """(out, lse, host caches after the append) from the float64 mirror."""
+        c, h = self.case, self.case.host
+        mirror = {name: h[name].copy() for name in ("k", "v", "k_scale", "v_scale")}
+        scale_dtype = np.dtype(c.scale_dtype) if c.scale_mode == "token" else np.float32
+        q_rot = append_ref(mirror["k"], mirror["v"], mirror["k_scale"], mirror["v_scale"],
+                           self.positions.copy(), self.k_new, self.v_new,
+                           kv_layout=c.kv_layout, scale_mode=c.scale_mode,
+                           scale_dtype=scale_dtype, rope=self.rope, cos_sin=self.table,
+                           theta=THETA, q=h["q"])
+        # The kernel rounds the rotated query once to the query dtype, as append_token does.
+        q_used = q_rot.astype(dtypes.as_dtype(c.q_dtype)).astype(np.float32)
+        out, lse = decode_attention_ref(q_used, mirror["k"], mirror["v"], mirror["k_scale"],
+                                        mirror["v_scale"], self.attended(),
+                                        kv_layout=c.kv_layout, scale_mode=c.scale_mode)
+        return out, lse, mirror
+
+    def check(self, out, lse):
+        ref, ref_lse, mirror = self.oracle()
+        assert not np.isnan(out).any() and not np.isnan(lse).any(), "NaN poison left"
+        error = float(np.abs(out - ref).max() / np.abs(ref).max())
+        assert error <= TOLERANCE[self.case.q_dtype], f"max|out-ref|/max|ref| = {error:.3e}"
+        finite = np.isfinite(ref_lse)
+        assert np.array_equal(np.isfinite(lse), finite)
+        np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-3)
+        d = self.device
+        got = {name: d[name].numpy() for name in ("k", "v", "k_scale", "v_scale")}
+        np.testing.assert_array_equal(got["v"], mirror["v"])
+        k_diff = np.abs(got["k"].astype(np.int32) - mirror["k"])
+        assert k_diff.max() <= (1 if self.rope else 0)  # fp32 vs float64 rotation
+        if self.case.scale_mode == "token":
+            np.testing.assert_array_equal(got["v_scale"], mirror["v_scale"])
+            np.testing.assert_allclose(got["k_scale"], mirror["k_scale"],
+                                       rtol=1e-3 if self.rope else 0)
+        assert np.array_equal(d["q"].numpy().view(np.uint16),
+                              self.case.host["q"].view(np.uint16)), "q must not be modified"
+        return error
+
+
+# (head_dim, Hq, Hkv, kv_layout, scale_mode, scale_dtype, q_dtype, rope, table)
+MATRIX = [
+    (128, 32, 8, "bnsh", "token", "float32", "float16", "neox", True),
+    (128, 32, 8, "bsnh", "token", "float16", "float16", "gptj", False),
+    (128, 32, 8, "bnsh", "head", "float32", "bfloat16", None, False),
+    (128, 32, 8, "bsnh", "tensor", "float32", "bfloat16", "neox", False),
+    (128, 8, 8, "bnsh", "token", "float32", "float16", "gptj", True),     # group 1
+    (128, 16, 2, "bsnh", "token", "float32", "bfloat16", "neox", True),   # group 8
+    (128, 32, 2, "bnsh", "token", "float16", "float16", "neox", False),   # group 16
+    (64, 16, 4, "bnsh", "token", "float32", "float16", "neox", True),
+    (64, 8, 1, "bsnh", "head", "float32", "bfloat16", "gptj", False),
+    (64, 4, 2, "bnsh", "tensor", "float32", "float16", None, False),
+    (256, 16, 4, "bnsh", "token", "float32", "bfloat16", "gptj", True),
+    (256, 16, 1, "bsnh", "token", "float16", "float16", "neox", False),  # group 16
+    (256, 8, 8, "bnsh", "head", "float32", "float16", "neox", True),
+]
+
+
+@pytest.mark.parametrize("head_dim, hq, hkv, kv_layout, scale_mode, scale_dtype, q_dtype, rope, "
+                         "table", MATRIX)
+def test_append_and_run_matches_the_oracle(rng, stream, head_dim, hq, hkv, kv_layout, scale_mode,
+                                           scale_dtype, q_dtype, rope, table):
+    fused = Fused(rng, POSITIONS, rope=rope, table=table, num_q_heads=hq, num_kv_heads=hkv,
+                  head_dim=head_dim, kv_layout=kv_layout, scale_mode=scale_mode,
+                  scale_dtype=scale_dtype, q_dtype=q_dtype)
+    fused.check(*fused.run(stream))
+    assert fused.plan.error_flags() == 0
+    fused.plan.close()
+
+
+CONFIGS = {
+    "cluster s8": TileConfig(num_warps=8, num_splits=8, min_split_tokens=128, cluster=True),
+    "two tiles s8": TileConfig(num_warps=8, num_splits=8, min_split_tokens=256, cluster=True,
+                               tiles=2),
+    "global merge s5": TileConfig(num_warps=8, num_splits=5, min_split_tokens=128),
+    "combine kernel s3": TileConfig(num_warps=4, num_splits=3, min_split_tokens=64,
+                                    fused_merge=False),
+    "one split": TileConfig(num_warps=8, num_splits=1, min_split_tokens=128),
+    "two warps s16": TileConfig(num_warps=2, num_splits=16, min_split_tokens=32, stages=3),
+}
+
+
+@pytest.mark.parametrize("positions", [[1, 65, 1025, 3000], [15, 16, 17, 127], [4099, 0, 2, 129]])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_every_launch_configuration_places_the_new_token(rng, stream, config, positions):
+    """The new token lands in the last active split wherever that split starts: right after a
+    tile, alone in its split, at position 0, at the last slot of the cache."""
+    fused = Fused(rng, positions, rope="neox", table=True)
+    fused.check(*fused.run(stream, config))
+    fused.plan.close()
+
+
+def test_positions_outside_the_cache_write_nothing_and_raise_the_flag(rng, stream):
+    fused = Fused(rng, [CAPACITY, -1, 5, CAPACITY + 7], rope="gptj")
+    out, lse = fused.run(stream)
+    fused.check(out, lse)  # the oracle attends min(max(pos, 0), S_max) with q unrotated
+    assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
+    assert fused.plan.error_flags() & 1
+    fused.plan.close()
+
+
+@pytest.mark.parametrize("kv_layout, scale_mode, scale_dtype, rope, table", [
+    ("bnsh", "token", "float32", "neox", False),
+    ("bsnh", "token", "float16", "gptj", True),
+    ("bnsh", "tensor", "float32", None, False),
+])
+def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_mode,
+                                                  scale_dtype, rope, table):
+    """Same rows.cuh math in both kernels: identical K, V and scale bytes; outputs agree."""
+    fused = Fused(rng, [7, 300, 2048], rope=rope, table=table, kv_layout=kv_layout,
+                  scale_mode=scale_mode, scale_dtype=scale_dtype)
+    c, d = fused.case, fused.device
+    copies = {name: DeviceArray.from_numpy(c.host[name]) for name in ("k", "v", "k_scale",
+                                                                       "v_scale", "q")}
+    out, _ = fused.run(stream)
+    with AppendPlan(c.num_q_heads, c.num_kv_heads, c.head_dim, max_batch=c.batch,
+                    kv_layout=kv_layout, scale_mode=scale_mode, scale_dtype=scale_dtype,
+                    rope=rope, rope_theta=THETA) as append:
+        positions = DeviceArray.from_numpy(c.host["seq_lens"])
+        append.run(d["k_new"], d["v_new"], copies["k"], copies["v"], copies["k_scale"],
+                   copies["v_scale"], positions, q=copies["q"] if rope else None,
+                   cos_sin=d["cos_sin"], advance=True, stream=stream)
+        unfused = DeviceArray.empty(d["out"].shape, d["out"].dtype)
+        fused.plan.run(copies["q"], copies["k"], copies["v"], copies["k_scale"],
+                       copies["v_scale"], positions, unfused, stream=stream)
+        stream.synchronize()
+    for name in ("k", "v", "k_scale", "v_scale"):
+        assert np.array_equal(d[name].numpy().view(np.uint8),
+                              copies[name].numpy().view(np.uint8)), name
+    error = np.abs(out - unfused.numpy()).max() / np.abs(out).max()
+    assert error <= 2e-3
+    fused.plan.close()
+
+
+def test_advance_lengths_bumps_only_positions_inside_the_cache(stream):
+    case = Case.random(np.random.default_rng(3), [5], capacity=64)
+    plan = case.make_plan()
+    plan.plan([5])
+    lengths = DeviceArray.from_numpy(np.array([0, 5, 63, 64, 70, -1], np.int32))
+    plan.advance_lengths(lengths, 64, stream=stream)
+    assert lengths.numpy(stream=stream).tolist() == [1, 6, 64, 64, 70, -1]
+    plan.close()
