@@ -131,7 +131,7 @@ class DecodeStep:
             raise ValueError(f"host_lengths: sequence {b} has length {int(lengths[b])}, leaving "
                              f"no room for the step's new token (max_seq_len="
                              f"{self.max_seq_len})")
-        self.attention.plan(lengths + 1)
+        self.attention.plan(lengths + 1, append=self.fused)
         if not self.fused:
             self.append.load()
         if "positions" not in self._arrays and not self.fused:

@@ -106,8 +106,8 @@ def test_a_short_rope_table_is_refused():
 def test_run_after_append_and_run_binds_a_plain_launch(monkeypatch):
     plan = planned()
     launches = []
-    plan._split = type("Stub", (), {"launch": lambda self, stream: launches.append(
-        plan._params.append)})()
+    plan._split = plan._split_append = type("Stub", (), {
+        "launch": lambda self, stream: launches.append(plan._params.append)})()
     plan.append_and_run(**append_arguments(), stream=None)
     plan.run(**good_arguments(), stream=None)
     assert launches == [1, 0]
@@ -130,7 +130,12 @@ def test_advance_lengths_checks_its_arguments(lengths, capacity, error, message)
 
 def test_append_and_run_and_advance_need_a_plan():
     plan = make_plan()
-    with pytest.raises(RuntimeError, match=r"append_and_run: call plan"):
+    with pytest.raises(RuntimeError, match=r"append_and_run: call plan\(seq_lens, append=True\)"):
         plan.append_and_run(*([None] * 9), stream=None)
     with pytest.raises(RuntimeError, match=r"advance_lengths: call plan"):
         plan.advance_lengths(None, 1, stream=None)
+
+
+def test_plan_append_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^append: expected a bool, got int 1"):
+        make_plan().plan([5], append=1)

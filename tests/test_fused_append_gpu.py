@@ -50,7 +50,7 @@ class Fused:
 
     def run(self, stream, config: TileConfig | None = None):
         d = self.device
-        self.plan.plan(np.maximum(self.attended(), 0), config=config)
+        self.plan.plan(np.maximum(self.attended(), 0), config=config, append=True)
         d["out"].fill(float("nan"))
         d["lse"].fill(float("nan"))
         self.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],
@@ -195,7 +195,7 @@ def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_
 def test_advance_lengths_bumps_only_positions_inside_the_cache(stream):
     case = Case.random(np.random.default_rng(3), [5], capacity=64)
     plan = case.make_plan()
-    plan.plan([5])
+    plan.plan([5])  # advance_lengths needs no fused-append kernel
     lengths = DeviceArray.from_numpy(np.array([0, 5, 63, 64, 70, -1], np.int32))
     plan.advance_lengths(lengths, 64, stream=stream)
     assert lengths.numpy(stream=stream).tolist() == [1, 6, 64, 64, 70, -1]

@@ -28,8 +28,10 @@ namespace llfd {
 // round trips; otherwise the last CTA to arrive merges through global memory.
 // TILES: 16-token tiles per step of a warp. Two give each warp two independent QK chains and
 // one softmax reduction per 32 tokens (more work in flight per warp when warps are few).
+// APPEND: the fused append of decode_append.cuh (DecodePlan.append_and_run); seq_lens are then
+// the new tokens' positions.
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES, bool CLUSTER, int TILES>
+          int STAGES, bool CLUSTER, int TILES, bool APPEND>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
@@ -59,7 +61,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   uint32_t qb[kBlocks][G::kChunks][2];
   float head_scale[kBlocks];
   auto fetch_query = [&](const uint16_t* group, int64_t head_stride) __attribute__((always_inline)) {
-    load_query<HEAD_DIM, GROUP, QT, kBlocks>(qb, head_scale, group, head_stride, g, c);
+    load_query<HEAD_DIM, GROUP, QT, kBlocks, !APPEND>(qb, head_scale, group, head_stride, g, c);
     if constexpr (kQueryInShared) {
       if (warp == 0)
 #pragma unroll
@@ -72,10 +74,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
   };
   // The fused append (decode_append.cuh) stages the query group rotated, after the length
   // read; its first rows are loaded here, before that read.
-  __shared__ NewTokenShared<HEAD_DIM, GROUP> fresh;
-  const bool append = p.append != 0;
+  __shared__ typename NewTokenState<APPEND, HEAD_DIM, GROUP>::type fresh;
   uint4 first_raw = make_uint4(0, 0, 0, 0);
-  if (append)
+  if constexpr (APPEND)
     first_raw = load_new_row<HEAD_DIM, GROUP>(p, b, kvh, threadIdx.x / RowLanes<HEAD_DIM>::kLanes,
                                               threadIdx.x % RowLanes<HEAD_DIM>::kLanes);
   else
@@ -84,10 +85,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
                 p.q_head_stride);
   int len, pos = 0;
   bool appended = false;
-  if (append) {
+  if constexpr (APPEND) {
     pos = p.seq_lens[b];
-    appended = pos >= 0 && pos < p.capacity;
-    len = appended ? pos + 1 : (pos < 0 ? 0 : p.capacity);
+    len = appended_length(p, b, pos, appended);
     if (!appended) atomicOr(p.error_flags, 1u);  // nothing written; the host can read why
   } else {
     len = clamped_length(p, b);
@@ -153,7 +153,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
                                                         first + st * kStep, end, lane);
     cp_async_commit();  // empty groups keep the group count uniform
   }
-  if (append) {  // while the first tiles load: rotate, quantize, write the new token
+  if constexpr (APPEND) {  // while the first tiles load: rotate, quantize, write the token
     stage_new_token<HEAD_DIM, GROUP, SCALE_MODE, QT, ScaleT, NUM_WARPS * 32>(
         p, fresh, first_raw, b, kvh, pos, appended, has_new);
     fetch_query(&fresh.q[0][0], HEAD_DIM);
@@ -333,7 +333,8 @@ decode_split(const __grid_constant__ DecodeParams p) {
         dst[d + 1] = acc[hb][mb][2 + col] * v_ref;
       }
     }
-  if (has_new) new_token_scores<HEAD_DIM, GROUP, QT, NUM_WARPS>(p, fresh, warp, lane);
+  if constexpr (APPEND)
+    if (has_new) new_token_scores<HEAD_DIM, GROUP, QT, NUM_WARPS>(p, fresh, warp, lane);
   __syncthreads();
 
   const bool single = active == 1;
@@ -341,7 +342,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
     const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
     // The appended token is one more partial: sum 1, its score, its V.
-    const float fresh_score = has_new ? fresh.score[row] : kNegInf;
+    float fresh_score = kNegInf;
+    if constexpr (APPEND)
+      if (has_new) fresh_score = fresh.score[row];
     float best = fresh_score;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) best = fmaxf(best, warp_max[w][row]);
@@ -352,11 +355,12 @@ decode_split(const __grid_constant__ DecodeParams p) {
       total += warp_sum[w][row] * weight;
       value += smem[(w * GROUP + row) * HEAD_DIM + d] * weight;
     }
-    if (has_new) {
-      const float weight = fast_exp2(fresh_score - best);
-      total += weight;
-      value += fresh.value[d] * weight;
-    }
+    if constexpr (APPEND)
+      if (has_new) {
+        const float weight = fast_exp2(fresh_score - best);
+        total += weight;
+        value += fresh.value[d] * weight;
+      }
     // Per-tensor and per-head V scales multiply the output once instead of every element.
     value = idle ? 0.f : value * v_const / total;
     const float lse2 = idle ? kNegInf : best + __log2f(total);
@@ -402,7 +406,9 @@ __global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ De
   wait_for_previous_grid();  // the partials come from decode_split
   const int kvh = blockIdx.x, b = blockIdx.y;
   int chunk, active;
-  split_range(clamped_length(p, b), p, chunk, active);
+  bool appended;
+  split_range(p.append ? appended_length(p, b, p.seq_lens[b], appended) : clamped_length(p, b), p,
+              chunk, active);
   if (active > 1) merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, scratch);
 }
 

@@ -18,7 +18,7 @@
 namespace llfd {
 
 template <int HEAD_DIM, int GROUP>
-struct NewTokenShared {
+struct alignas(16) NewTokenShared {  // 16: the staged query rows are stored as uint4
   uint16_t q[GROUP][HEAD_DIM];  // the query group, rotated, in the query dtype
   int8_t k[HEAD_DIM];           // the new token, quantized
   float value[HEAD_DIM];        // its V, dequantized (times its per-token scale)
@@ -26,6 +26,13 @@ struct NewTokenShared {
   float k_dequant;              // the scale a reader of its K applies
   float score[GROUP];           // its base-2 scores, per head of the group
 };
+
+// What a kernel without the fused append keeps instead: nothing.
+struct NoNewToken {};
+template <bool APPEND, int HEAD_DIM, int GROUP>
+struct NewTokenState { using type = NewTokenShared<HEAD_DIM, GROUP>; };
+template <int HEAD_DIM, int GROUP>
+struct NewTokenState<false, HEAD_DIM, GROUP> { using type = NoNewToken; };
 
 // Row `row` of the staging pass: the query heads 0..GROUP-1, then the new K and V rows.
 template <int HEAD_DIM, int GROUP>

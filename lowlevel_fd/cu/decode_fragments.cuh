@@ -82,7 +82,9 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
 // Query heads g (block 0) and g+8 (block 1) as fp16 B fragments of S^T = K Q^T, in the permuted
 // dim order. bf16 queries are rescaled per head by a power of two into fp16 range (exact);
 // head_scale undoes it.
-template <int HEAD_DIM, int GROUP, typename QT, int BLOCKS>
+// GLOBAL: q_group is global memory (read-only path); else the fused append's staged group in
+// shared memory.
+template <int HEAD_DIM, int GROUP, typename QT, int BLOCKS, bool GLOBAL>
 __device__ __forceinline__ void load_query(uint32_t (&qb)[BLOCKS][Geometry<HEAD_DIM>::kChunks][2],
                                            float (&head_scale)[BLOCKS], const uint16_t* q_group,
                                            int64_t q_head_stride, int g, int c) {
@@ -98,7 +100,9 @@ __device__ __forceinline__ void load_query(uint32_t (&qb)[BLOCKS][Geometry<HEAD_
       if (head < GROUP) {
         const uint4* src = reinterpret_cast<const uint4*>(q_group + head * q_head_stride +
                                                           64 * u + 16 * c);
-        const uint4 lo = src[0], hi = src[1];  // generic: global q or the staged group
+        uint4 lo, hi;
+        if constexpr (GLOBAL) lo = __ldg(src), hi = __ldg(src + 1);
+        else lo = src[0], hi = src[1];
         words[u][0] = lo.x; words[u][1] = lo.y; words[u][2] = lo.z; words[u][3] = lo.w;
         words[u][4] = hi.x; words[u][5] = hi.y; words[u][6] = hi.z; words[u][7] = hi.w;
       }

@@ -54,6 +54,14 @@ __device__ __forceinline__ void split_range(int len, const DecodeParams& p, int&
   active = (len + chunk - 1) / chunk;
 }
 
+// With the fused append (p.append): the tokens sequence b attends, its cached ones plus the new
+// one when its position seq_lens[b] lies in the cache; `appended` says whether it does.
+__device__ __forceinline__ int appended_length(const DecodeParams& p, int b, int pos,
+                                               bool& appended) {
+  appended = pos >= 0 && pos < p.capacity;
+  return appended ? pos + 1 : (pos < 0 ? 0 : p.capacity);
+}
+
 __device__ __forceinline__ int clamped_length(const DecodeParams& p, int b) {
   int len = p.seq_lens[b];
   if (len > p.capacity || len < 0) {

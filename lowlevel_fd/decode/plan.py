@@ -95,6 +95,7 @@ class DecodePlan:
         self._workspace: dict[str, DeviceArray] = {}
         self._params = DecodeParams()
         self._split: PreparedLaunch | None = None
+        self._split_append: PreparedLaunch | None = None
         self._combine: PreparedLaunch | None = None
         self._batch = 0
         self._planned_max = 0
@@ -102,10 +103,15 @@ class DecodePlan:
         self._finalizer = weakref.finalize(self, _close_arrays, self._workspace)
 
     # -- plan ---------------------------------------------------------------------------------
-    def plan(self, seq_lens: Any, *, config: TileConfig | None = None) -> "DecodePlan":
+    def plan(self, seq_lens: Any, *, config: TileConfig | None = None,
+             append: bool = False) -> "DecodePlan":
         """Choose splits and tiles for these host lengths ``[B]``, compile and load the kernel
-        (once per process), size the workspace. A captured graph stays valid for any device
-        lengths up to the cache's capacity, but must be recaptured after re-planning."""
+        (once per process), size the workspace. With ``append`` the fused-append kernel of
+        ``append_and_run`` is loaded too (plan with the lengths it attends: positions + 1). A
+        captured graph stays valid for any device lengths up to the cache's capacity, but must
+        be recaptured after re-planning."""
+        if not isinstance(append, bool):
+            raise TypeError(f"append: expected a bool, got {type(append).__name__} {append!r}")
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         if config is not None:
@@ -147,10 +153,15 @@ class DecodePlan:
         p.min_split_tokens = config.min_split_tokens
         p.fused_merge = int(config.fused_merge)
         grid = (self.num_kv_heads, config.num_splits, batch)
-        self._split = split.prepare(LaunchConfig(
+        launch_config = LaunchConfig(
             grid, variant.threads, variant.dynamic_shared_bytes,
             cluster=(1, config.num_splits, 1) if config.cluster else None,
-            programmatic=config.programmatic and hopper), p)
+            programmatic=config.programmatic and hopper)
+        self._split = split.prepare(launch_config, p)
+        self._split_append = None
+        if append:  # the same launch of the APPEND instantiation, on the same parameter block
+            fused_split, _, _ = load_variant(replace(variant, append=True), self.device)
+            self._split_append = fused_split.prepare(launch_config, p)
         self._combine = None
         if config.num_splits > 1 and not config.fused_merge and not config.cluster:
             scratch = (MAX_SPLITS + 2) * self.group_size * 4  # decode_combine's merge weights
@@ -169,6 +180,7 @@ class DecodePlan:
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,
             "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,
+            "append_kernel": replace(variant, append=True).split_kernel if append else None,
         }
         return self
 
@@ -221,12 +233,12 @@ class DecodePlan:
         ``[B, Hkv, D]`` like q; cos_sin: optional fp32 ``[max_pos >= S_max, D/2, 2]`` table
         (else the angles come from ``rope_theta``). Enqueued on ``stream``; returns at once.
         """
-        if self._split is None:
-            raise RuntimeError("append_and_run: call plan(seq_lens) first")
+        if self._split_append is None:
+            raise RuntimeError("append_and_run: call plan(seq_lens, append=True) first")
         self._require_open()
         bind_append_arguments(self, self._params, q, k_new, v_new, k_cache, v_cache, k_scale,
                               v_scale, positions, out, lse, cos_sin)
-        self._split.launch(stream)
+        self._split_append.launch(stream)
         if self._combine is not None:
             self._combine.launch(stream)
 
@@ -270,7 +282,7 @@ class DecodePlan:
     def close(self) -> None:
         """Free the workspace; the plan cannot run afterwards."""
         self._finalizer()
-        self._split = self._combine = None
+        self._split = self._split_append = self._combine = None
 
     def __enter__(self) -> "DecodePlan":
         return self

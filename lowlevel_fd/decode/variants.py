@@ -41,6 +41,7 @@ class DecodeVariant:
     stages: int = 0  # 0: default_stages(head_dim)
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
     tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
+    append: bool = False  # the fused append of DecodePlan.append_and_run
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -57,7 +58,8 @@ class DecodeVariant:
         scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
                 f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}, "
-                f"{'true' if self.cluster else 'false'}, {self.tiles}>")
+                f"{'true' if self.cluster else 'false'}, {self.tiles}, "
+                f"{'true' if self.append else 'false'}>")
 
     @property
     def combine_kernel(self) -> str:
@@ -86,15 +88,17 @@ class DecodeVariant:
 def shipped_variants(num_warps: tuple[int, ...] = PLANNER_WARPS) -> Iterator[DecodeVariant]:
     """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps,
     one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
-    planner rule 7 (head_dim 128, groups up to 8). Other two-tile variants compile on demand."""
+    planner rule 7 (head_dim 128, groups up to 8); each also with the fused append. Other
+    two-tile variants compile on demand."""
     for dim, group, q_dtype in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES):
         two_tiles = dim in TWO_TILE_HEAD_DIMS and group <= 8
         for mode in SCALE_MODES:
             for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
-                for warps in num_warps:
+                for warps, append in itertools.product(num_warps, (False, True)):
                     for cluster in (False, True):
                         yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
-                                            num_warps=warps, cluster=cluster)
+                                            num_warps=warps, cluster=cluster, append=append)
                     if two_tiles:
                         yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
-                                            num_warps=warps, cluster=True, tiles=2)
+                                            num_warps=warps, cluster=True, tiles=2,
+                                            append=append)
