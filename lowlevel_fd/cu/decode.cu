@@ -83,17 +83,21 @@ decode_split(const __grid_constant__ DecodeParams p) {
     fetch_query(static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
                     head0 * p.q_head_stride,
                 p.q_head_stride);
-  int len, pos = 0;
+  // len: the cached tokens the warps stream. With the fused append the splits cover those and
+  // the new token joins the last one (sequence_splits).
+  int len, pos = 0, chunk, active;
   bool appended = false;
+  RopeCoefficients<HEAD_DIM, NUM_WARPS * 32> rope_cs;
   if constexpr (APPEND) {
     pos = p.seq_lens[b];
-    len = appended_length(p, b, pos, appended);
+    if (p.rope != kRopeNone) rope_cs.start(p);  // while the position loads
+    len = sequence_splits(p, pos, appended, chunk, active);
     if (!appended) atomicOr(p.error_flags, 1u);  // nothing written; the host can read why
+    if (p.rope != kRopeNone) rope_cs.load(p, pos, appended);  // lands during the prologue
   } else {
     len = clamped_length(p, b);
+    split_range(len, p, chunk, active);
   }
-  int chunk, active;
-  split_range(len, p, chunk, active);
 
   if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
     if (split == 0)
@@ -108,10 +112,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
   // A cluster's idle CTAs (split >= active) stay for the cluster barriers with empty ranges.
   const bool idle = split >= active;
   if (!CLUSTER && idle) return;
-  // The last active split holds the appended token: its warps stream the cache up to it.
+  // The last active split also takes the appended token (in its merge, not its stream).
   const bool has_new = appended && split == active - 1;
-  const int start = idle ? 0 : split * chunk;
-  const int end = (idle ? 0 : min(len, start + chunk)) - (has_new ? 1 : 0);
+  const int start = idle ? 0 : split * chunk, end = idle ? 0 : min(len, start + chunk);
 
   float k_const = p.score_scale_log2, v_const = 1.f;
   if constexpr (SCALE_MODE == kScalePerTensor) {
@@ -155,7 +158,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   }
   if constexpr (APPEND) {  // while the first tiles load: rotate, quantize, write the token
     stage_new_token<HEAD_DIM, GROUP, SCALE_MODE, QT, ScaleT, NUM_WARPS * 32>(
-        p, fresh, first_raw, b, kvh, pos, appended, has_new);
+        p, fresh, rope_cs, first_raw, b, kvh, pos, appended, has_new);
     fetch_query(&fresh.q[0][0], HEAD_DIM);
   }
   // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the
@@ -407,8 +410,10 @@ __global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ De
   const int kvh = blockIdx.x, b = blockIdx.y;
   int chunk, active;
   bool appended;
-  split_range(p.append ? appended_length(p, b, p.seq_lens[b], appended) : clamped_length(p, b), p,
-              chunk, active);
+  if (p.append)
+    sequence_splits(p, p.seq_lens[b], appended, chunk, active);
+  else
+    split_range(clamped_length(p, b), p, chunk, active);
   if (active > 1) merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, scratch);
 }
 

@@ -53,12 +53,52 @@ __device__ __forceinline__ uint4 load_new_row(const DecodeParams& p, int b, int 
   return *reinterpret_cast<const uint4*>(src + 8 * lane);
 }
 
+// This thread's RoPE coefficients (frequencies threadIdx.x + THREADS * j), in three parts so
+// their latency hides behind other work: the inverse frequencies before the position is known,
+// the table load as soon as it is, the theta path's sin/cos after the first tiles are issued.
+template <int HEAD_DIM, int THREADS>
+struct RopeCoefficients {
+  static constexpr int kPerThread = (HEAD_DIM / 2 + THREADS - 1) / THREADS;
+  float inv_freq[kPerThread];
+  float2 cs[kPerThread];
+
+  __device__ __forceinline__ void start(const DecodeParams& p) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = threadIdx.x + THREADS * j;
+      inv_freq[j] = p.cos_sin == nullptr && i < HEAD_DIM / 2 ? rope_inv_freq<HEAD_DIM>(
+                                                                   p.rope_theta, i)
+                                                             : 0.f;
+    }
+  }
+  __device__ __forceinline__ void load(const DecodeParams& p, int pos, bool rotate) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = threadIdx.x + THREADS * j;
+      if (rotate && p.cos_sin != nullptr && i < HEAD_DIM / 2)
+        cs[j] = rope_table_entry<HEAD_DIM>(p.cos_sin, pos, i);
+    }
+  }
+  __device__ __forceinline__ void store(const DecodeParams& p, int pos, bool rotate,
+                                        float2* shared) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = threadIdx.x + THREADS * j;
+      if (rotate && i < HEAD_DIM / 2)
+        shared[i] = p.cos_sin != nullptr
+                        ? cs[j]
+                        : cos_sin_of(__fmul_rn(static_cast<float>(pos), inv_freq[j]));
+    }
+  }
+};
+
 // The whole CTA: rotate and stage the query group, quantize the new K and V rows (writing them
 // into the cache when `writer`), fill sh.k, sh.value and sh.k_dequant. `first_raw` is this
 // thread's row of the first pass, loaded before the length was known.
 template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS>
 __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
                                                 NewTokenShared<HEAD_DIM, GROUP>& sh,
+                                                RopeCoefficients<HEAD_DIM, THREADS>& coefficients,
                                                 uint4 first_raw, int b, int kvh, int pos,
                                                 bool rotate_now, bool writer) {
   constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;
@@ -66,8 +106,7 @@ __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
   const int lane = threadIdx.x % kLanes, slot = threadIdx.x / kLanes;
   const int rope = rotate_now ? p.rope : kRopeNone;
   if (rope != kRopeNone) {
-    for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
-      sh.cs[i] = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos, i);
+    coefficients.store(p, pos, true, sh.cs);
     __syncthreads();
   }
   const int64_t cache_row = b * p.kv_batch_stride + kvh * p.kv_head_stride +

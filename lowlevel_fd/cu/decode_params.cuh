@@ -54,12 +54,18 @@ __device__ __forceinline__ void split_range(int len, const DecodeParams& p, int&
   active = (len + chunk - 1) / chunk;
 }
 
-// With the fused append (p.append): the tokens sequence b attends, its cached ones plus the new
-// one when its position seq_lens[b] lies in the cache; `appended` says whether it does.
-__device__ __forceinline__ int appended_length(const DecodeParams& p, int b, int pos,
-                                               bool& appended) {
+// With the fused append (p.append): a sequence whose new token goes to position `pos` streams
+// its pos cached tokens, split as usual, and the new token joins the last split (split 0 when
+// nothing is cached, so there is always one). A position outside the cache appends nothing
+// (`appended` false) and streams the min(max(pos, 0), capacity) tokens there are. Returns the
+// tokens streamed.
+__device__ __forceinline__ int sequence_splits(const DecodeParams& p, int pos, bool& appended,
+                                               int& chunk, int& active) {
   appended = pos >= 0 && pos < p.capacity;
-  return appended ? pos + 1 : (pos < 0 ? 0 : p.capacity);
+  const int cached = appended ? pos : (pos < 0 ? 0 : p.capacity);
+  split_range(cached, p, chunk, active);
+  if (appended && active == 0) active = 1;
+  return cached;
 }
 
 __device__ __forceinline__ int clamped_length(const DecodeParams& p, int b) {

@@ -71,14 +71,21 @@ __device__ __forceinline__ float2 cos_sin_of(float angle) {
 // usual fp32 implementations do, and evaluates it with cos_sin_of. Inline exp2/log2 rather than
 // pow: pow is an out-of-line call.
 template <int HEAD_DIM>
+__device__ __forceinline__ float rope_inv_freq(float theta, int i) {
+  return static_cast<float>(exp2(-2.0 * i / HEAD_DIM * log2(static_cast<double>(theta))));
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ float2 rope_table_entry(const float* cos_sin, int pos, int i) {
+  return __ldg(reinterpret_cast<const float2*>(cos_sin) +
+               static_cast<int64_t>(pos) * (HEAD_DIM / 2) + i);
+}
+
+template <int HEAD_DIM>
 __device__ __forceinline__ float2 rope_coefficients(const float* cos_sin, float theta, int pos,
                                                     int i) {
-  if (cos_sin != nullptr)
-    return __ldg(reinterpret_cast<const float2*>(cos_sin) +
-                 static_cast<int64_t>(pos) * (HEAD_DIM / 2) + i);
-  const float inv_freq = static_cast<float>(
-      exp2(-2.0 * i / HEAD_DIM * log2(static_cast<double>(theta))));
-  return cos_sin_of(__fmul_rn(static_cast<float>(pos), inv_freq));
+  if (cos_sin != nullptr) return rope_table_entry<HEAD_DIM>(cos_sin, pos, i);
+  return cos_sin_of(__fmul_rn(static_cast<float>(pos), rope_inv_freq<HEAD_DIM>(theta, i)));
 }
 
 // ---- row helpers -----------------------------------------------------------------------------
