@@ -241,3 +241,32 @@ def test_strided_views_bind_their_own_strides():
     assert (params.q_batch_stride, params.q_head_stride) == (2 * HQ * D, D)
     assert (params.kv_batch_stride, params.kv_head_stride) == (HKV * 1024 * D, 1024 * D)
     assert ctypes.sizeof(params) == 264
+
+
+# -- run(): the validated-arguments memo -------------------------------------------------------
+def test_repeated_arguments_skip_the_checks_and_still_bind(monkeypatch):
+    from lowlevel_fd.decode import bind as bind_module
+    plan, calls = planned(), []
+    real = bind_module._check_arguments
+    monkeypatch.setattr(bind_module, "_check_arguments",
+                        lambda *a: (calls.append(1), real(*a)))
+    first, second = bind(plan, good_arguments()), bind(plan, good_arguments())
+    assert len(calls) == 1 and bytes(first) == bytes(second)
+    moved = good_arguments() | {"out": array((B, HQ, D), "float16", ptr=0x980000)}
+    assert bind(plan, moved).out == 0x980000 and len(calls) == 2  # a new pointer: checked
+
+
+def test_the_memo_never_hides_a_check_that_now_fails():
+    plan = planned()
+    bind(plan, good_arguments())
+    plan._planned_max = CAPACITY + 1  # re-planned for longer sequences: the same caches fail
+    with pytest.raises(ValueError, match=r"k_cache: capacity 256 tokens is below the planned"):
+        bind(plan, good_arguments())
+    plan._planned_max = PLANNED
+    closed = good_arguments() | {"q": array((B, HQ, D), "float16", ptr=0x100000, owner=None)}
+    with pytest.raises(ValueError, match=r"q: the array is closed"):
+        bind(plan, closed)  # same pointer, shape and strides, but freed: still refused
+    misaligned = good_arguments() | {"k_scale": array((B, HKV, CAPACITY), "float32",
+                                                      ptr=0x600002)}
+    with pytest.raises(ValueError, match=r"k_scale: the data pointer must be 4-byte aligned"):
+        bind(plan, misaligned)

@@ -99,6 +99,7 @@ class DecodePlan:
         self._combine: PreparedLaunch | None = None
         self._batch = 0
         self._planned_max = 0
+        self._validated: tuple = ()  # the arguments run() last checked (decode/bind.py)
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _close_arrays, self._workspace)
 

@@ -98,9 +98,11 @@ def choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
 
 
 # -- arrays --------------------------------------------------------------------------------------
-def device_array(name: str, obj: Any, device: Device | None) -> DeviceArray:
+def device_array(name: str, obj: Any, device: Device | None, *,
+                 elements: bool = True) -> DeviceArray:
     """``obj`` as an open DeviceArray on ``device`` (None: any device) whose pointer and strides
-    are multiples of its element size: no kernel can load or store a misaligned element."""
+    are multiples of its element size: no kernel can load or store a misaligned element
+    (``elements=False`` leaves that check to the caller: ``element_aligned``)."""
     if obj is None:
         raise TypeError(f"{name}: expected a device array, got None")
     try:
@@ -114,8 +116,13 @@ def device_array(name: str, obj: Any, device: Device | None) -> DeviceArray:
     if device is not None and array.device is not device:
         raise ValueError(f"{name}: expected an array on device {device.ordinal}, "
                          f"got one on device {array.device.ordinal}")
-    aligned(name, array, array.itemsize, range(array.ndim))
+    if elements:
+        element_aligned(name, array)
     return array
+
+
+def element_aligned(name: str, array: DeviceArray) -> None:
+    aligned(name, array, array.itemsize, range(array.ndim))
 
 
 def dtype(name: str, array: DeviceArray, allowed: Sequence[str]) -> None:
