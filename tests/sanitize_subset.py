@@ -6,6 +6,8 @@ fp16 and bf16, the three head dims, forced split configs (fused merge, the separ
 kernel, clusters on sm_90), graph replay, device lengths beyond the capacity. Append: every scale
 mode in both layouts, both RoPE styles from a table and from theta, bf16, positions outside the
 cache. Prompts: both prompt layouts, RoPE, lengths clamped to the prompt and the capacity.
+Fused append: both RoPE styles from a table and from theta, the three merges, head_dim 256,
+positions outside the cache, advance_lengths.
 
 Every result is checked against the oracle, so a silent failure is caught too. Outputs are
 NaN-poisoned and caches fully uploaded first, so initcheck only sees initialized memory.
@@ -30,6 +32,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from decode_case import TOLERANCE, Case  # noqa: E402  (tests/ is this script's directory)
 from append_case import cache_state  # noqa: E402
+from test_fused_append_gpu import Fused  # noqa: E402
 
 from lowlevel_fd.append import AppendPlan, PromptQuantizer  # noqa: E402
 from lowlevel_fd.append.reference import append_ref, prompt_ref  # noqa: E402
@@ -247,6 +250,39 @@ case("prompt rope neox, per-head scales",
      prompt("bsnh", "bsnh", scale_mode="head", rope="neox"))
 case("prompt lengths beyond the prompt and the capacity",
      prompt("bnsh", "bnsh", lengths=(60, 35, 10, -3), capacity=32))
+
+
+# -- the fused append (DecodePlan.append_and_run) ----------------------------------------------
+def fused(positions: list[int], config: TileConfig | None = None, **options: object
+          ) -> Callable[[np.random.Generator, Stream], None]:
+    def run(rng: np.random.Generator, stream: Stream) -> None:
+        if getattr(config, "cluster", False) and Device(0).compute_capability < (9, 0):
+            print("     (cluster merge needs sm_90: skipped)")
+            return
+        options.setdefault("num_q_heads", 8)
+        options.setdefault("num_kv_heads", 2)
+        call = Fused(rng, positions, capacity=1090, **options)
+        call.check(*call.run(stream, config))
+        outside = any(not 0 <= x < 1090 for x in positions)
+        assert bool(call.plan.error_flags() & 1) == outside
+        lengths = DeviceArray.from_numpy(np.asarray(positions, np.int32))
+        call.plan.advance_lengths(lengths, 1090, stream=stream)
+        expected = [x + 1 if 0 <= x < 1090 else x for x in positions]
+        assert lengths.numpy(stream=stream).tolist() == expected
+        call.plan.close()
+    return run
+
+
+case("fused append neox table, cluster merge",
+     fused([0, 63, 1025], TileConfig(num_warps=8, num_splits=8, min_split_tokens=128,
+                                     cluster=True), rope="neox", table=True))
+case("fused append gptj theta fp16 scales bsnh bf16, global merge",
+     fused([17, 1089], TileConfig(num_warps=8, num_splits=5, min_split_tokens=128),
+           rope="gptj", kv_layout="bsnh", scale_dtype="float16", q_dtype="bfloat16"))
+case("fused append tensor scales, combine kernel, head_dim 256",
+     fused([300, 2], TileConfig(num_warps=4, num_splits=3, min_split_tokens=64,
+                                fused_merge=False), scale_mode="tensor", head_dim=256))
+case("fused append positions outside the cache", fused([1090, -1, 5], rope="neox"))
 
 
 # -- driver --------------------------------------------------------------------------------------
