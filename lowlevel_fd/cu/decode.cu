@@ -4,7 +4,9 @@
 // K/V byte is read from memory once and used by all GROUP heads. Each warp streams 16-token
 // tiles of its split through a shared-memory pipeline (decode_pipeline.cuh) and keeps its own
 // online softmax; the CTA merges its warps, and the splits of one (batch, kv head) are merged
-// by the last CTA to finish (a device counter) or by decode_combine.
+// by the last CTA to finish (a device counter) or by decode_combine. The APPEND instantiation
+// also rotates, quantizes and writes each sequence's new token and attends it
+// (decode_append.cuh).
 //
 // Tokens are the M dimension of both m16n8k16 mmas, so a 16-token tile costs one mma per 16
 // dims for S^T = K Q^T and one per 16 dims for O^T += V^T P^T; heads (up to 8 per block) are N:
