@@ -234,4 +234,12 @@ def test_tune_candidates_cover_the_issues_grid_and_the_planner_pick():
     assert {c.fused_merge for c in configs} == {True, False}
     assert any(c.cluster for c in configs) and all(c.num_splits <= 16 for c in configs
                                                    if c.cluster)
-    assert sum(c.num_splits == 1 for c in configs) == 3  # one per warp count
+    assert sum(c.num_splits == 1 and c.tiles == 1 for c in configs) == 3  # one per warp count
+    two = [c for c in configs if c.tiles == 2]
+    assert {c.num_warps for c in two} == {2, 4, 8}
+    assert all(c.min_split_tokens == 32 * c.num_warps for c in two)
+    assert {c.num_splits for c in two} == {c.num_splits for c in configs if c.tiles == 1}
+
+
+def test_tune_names_the_planners_tiles():
+    assert tune.config_label(TileConfig(num_warps=8, num_splits=8, tiles=2)).split()[5] == "t2"

@@ -52,7 +52,9 @@ def candidate_configs(auto: TileConfig, warps: tuple[int, ...] = (2, 4, 8),
     """The sweep for one workload, without duplicates, the planner's choice included. With a
     single split, min_split_tokens and the merge have no effect, so one config stands in.
     Splits merge through a cluster (sm_90, at most MAX_CLUSTER) or the last CTA; the separate
-    combine kernel is tried once per warp count (it never won a probe)."""
+    combine kernel is tried once per warp count (it never won a probe). Two-tile steps
+    (``tiles=2``) are swept with every split count, at 32 tokens per warp and step, merged the
+    way the planner would (cluster on sm_90)."""
     stage_values = stages or (auto.stages,)
     configs = [auto]
     hopper = auto.programmatic  # the planner enables both features together on sm_90
@@ -74,6 +76,11 @@ def candidate_configs(auto: TileConfig, warps: tuple[int, ...] = (2, 4, 8),
         configs.append(TileConfig(num_warps=num_warps, num_splits=max(2, auto.num_splits),
                                   min_split_tokens=16 * num_warps, fused_merge=False,
                                   stages=stage, programmatic=hopper))
+        for splits in split_candidates(auto.num_splits):
+            cluster = hopper and 1 < splits <= MAX_CLUSTER
+            configs.append(TileConfig(num_warps=num_warps, num_splits=splits,
+                                      min_split_tokens=32 * num_warps, stages=stage,
+                                      cluster=cluster, programmatic=hopper, tiles=2))
     return list(dict.fromkeys(configs))
 
 
@@ -91,7 +98,7 @@ def parse_ints(flag: str, text: str, allowed: tuple[int, ...] | None = None
 def config_label(config: TileConfig) -> str:
     merge = "cluster" if config.cluster else "fused" if config.fused_merge else "combine"
     return (f"w{config.num_warps} s{config.num_splits} m{config.min_split_tokens} {merge} "
-            f"st{config.stages}{' pdl' if config.programmatic else ''}")
+            f"st{config.stages} t{config.tiles}{' pdl' if config.programmatic else ''}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -173,7 +173,8 @@ class DecodePlan:
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
-            "tile_tokens": 16 * variant.tiles, "num_warps": variant.num_warps,
+            "tiles": variant.tiles, "tile_tokens": 16 * variant.tiles,
+            "num_warps": variant.num_warps,
             "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
             "programmatic": config.programmatic and hopper,
