@@ -1,14 +1,15 @@
-// The decode kernel's fused append (DecodeParams::append = 1): the step's new token is rotated,
+// The decode kernel's fused append (the APPEND instantiation of decode_split, launched by
+// DecodePlan.append_and_run with DecodeParams::append = 1): the step's new token is rotated,
 // quantized, written into the cache and attended in the same launch as the attention.
 //
 // seq_lens[b] is then the write position pos (the tokens already cached); the kernel attends
 // pos + 1 tokens. Every CTA stages its query group in shared memory, rotated at pos (RoPE, as
 // append_token rotates it: fp32, rounded once to the query dtype), and quantizes the new K and V
-// rows with the helpers of rows.cuh, so the bytes are those append_token would write. Only the
-// CTA whose split holds position pos (the last active split) writes them into the cache; its
-// warps stream tokens [start, pos) from the cache as usual and the new token joins the CTA's
-// merge as one more partial (score from the fp32 rotated q and the quantized K, value the
-// dequantized V), so it is never read back from memory inside the launch.
+// rows with the helpers of rows.cuh, so the bytes are those append_token would write. The splits
+// cover the pos cached tokens (sequence_splits); the last one also takes the new token: its CTA
+// writes the quantized rows into the cache and adds the token to its merge as one more partial
+// (score from the fp32 rotated q and the quantized K, value the dequantized V), so the token is
+// never read back from memory inside the launch.
 //
 // A position outside [0, capacity) writes nothing, leaves q unrotated (as append_token does),
 // attends the min(max(pos, 0), capacity) cached tokens and sets bit 0 of error_flags.
