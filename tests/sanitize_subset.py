@@ -50,14 +50,21 @@ def case(name: str, run: Callable[[np.random.Generator, Stream], None]) -> None:
 
 
 # -- decode ------------------------------------------------------------------------------------
+def runnable(config: TileConfig | None, options: dict) -> bool:
+    """False (and says so) for a cluster merge before sm_90; fills in the small default heads."""
+    if getattr(config, "cluster", False) and Device(0).compute_capability < (9, 0):
+        print("     (cluster merge needs sm_90: skipped)")
+        return False
+    options.setdefault("num_q_heads", 8)
+    options.setdefault("num_kv_heads", 2)
+    return True
+
+
 def decode(lengths: list[int], *, config: TileConfig | None = None, lse: bool = True,
            **options: object) -> Callable[[np.random.Generator, Stream], None]:
     def run(rng: np.random.Generator, stream: Stream) -> None:
-        if getattr(config, "cluster", False) and Device(0).compute_capability < (9, 0):
-            print("     (cluster merge needs sm_90: skipped)")
+        if not runnable(config, options):
             return
-        options.setdefault("num_q_heads", 8)
-        options.setdefault("num_kv_heads", 2)
         c = Case.random(rng, lengths, **options)
         d = c.upload()
         with c.make_plan() as plan:
@@ -256,11 +263,8 @@ case("prompt lengths beyond the prompt and the capacity",
 def fused(positions: list[int], config: TileConfig | None = None, **options: object
           ) -> Callable[[np.random.Generator, Stream], None]:
     def run(rng: np.random.Generator, stream: Stream) -> None:
-        if getattr(config, "cluster", False) and Device(0).compute_capability < (9, 0):
-            print("     (cluster merge needs sm_90: skipped)")
+        if not runnable(config, options):
             return
-        options.setdefault("num_q_heads", 8)
-        options.setdefault("num_kv_heads", 2)
         call = Fused(rng, positions, capacity=1090, **options)
         call.check(*call.run(stream, config))
         outside = any(not 0 <= x < 1090 for x in positions)

@@ -29,6 +29,14 @@ struct RowLanes {
 // two-part constant through fma (error ~1e-17 rad for any such angle), then Taylor polynomials
 // on |r| <= pi/4 (truncation < 1e-21). Unlike sincosf there is no Payne-Hanek slow path, whose
 // scratch array lands in a stack frame once the surrounding kernel is large.
+template <int N>
+__device__ __forceinline__ double horner(const double (&c)[N], double x) {
+  double p = c[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) p = fma(p, x, c[i]);
+  return p;
+}
+
 __device__ __forceinline__ float2 cos_sin_of(float angle) {
   constexpr double kTwoOverPi = 0.63661977236758134308;
   constexpr double kPio2Hi = 1.5707963267948965580e+00, kPio2Lo = 6.1232339957367660359e-17;
@@ -36,27 +44,15 @@ __device__ __forceinline__ float2 cos_sin_of(float angle) {
   const double k = rint(a * kTwoOverPi);
   const double r = fma(-k, kPio2Lo, fma(-k, kPio2Hi, a));
   const double r2 = r * r;
-  double sp = 1.0 / 121645100408832000.0;  // 1/19!
-  sp = fma(sp, r2, -1.0 / 355687428096000.0);
-  sp = fma(sp, r2, 1.0 / 1307674368000.0);
-  sp = fma(sp, r2, -1.0 / 6227020800.0);
-  sp = fma(sp, r2, 1.0 / 39916800.0);
-  sp = fma(sp, r2, -1.0 / 362880.0);
-  sp = fma(sp, r2, 1.0 / 5040.0);
-  sp = fma(sp, r2, -1.0 / 120.0);
-  sp = fma(sp, r2, 1.0 / 6.0);
-  const double sin_r = r - r * r2 * sp;
-  double cp = 1.0 / 2432902008176640000.0;  // 1/20!
-  cp = fma(cp, r2, -1.0 / 6402373705728000.0);
-  cp = fma(cp, r2, 1.0 / 20922789888000.0);
-  cp = fma(cp, r2, -1.0 / 87178291200.0);
-  cp = fma(cp, r2, 1.0 / 479001600.0);
-  cp = fma(cp, r2, -1.0 / 3628800.0);
-  cp = fma(cp, r2, 1.0 / 40320.0);
-  cp = fma(cp, r2, -1.0 / 720.0);
-  cp = fma(cp, r2, 1.0 / 24.0);
-  cp = fma(cp, r2, -0.5);
-  const double cos_r = fma(cp, r2, 1.0);
+  // Taylor coefficients in r^2, highest first: sin r = r - r^3 * S(r^2), cos r = 1 + r^2 C(r^2).
+  constexpr double kSin[] = {1.0 / 121645100408832000.0, -1.0 / 355687428096000.0,
+                             1.0 / 1307674368000.0, -1.0 / 6227020800.0, 1.0 / 39916800.0,
+                             -1.0 / 362880.0, 1.0 / 5040.0, -1.0 / 120.0, 1.0 / 6.0};
+  constexpr double kCos[] = {1.0 / 2432902008176640000.0, -1.0 / 6402373705728000.0,
+                             1.0 / 20922789888000.0, -1.0 / 87178291200.0, 1.0 / 479001600.0,
+                             -1.0 / 3628800.0, 1.0 / 40320.0, -1.0 / 720.0, 1.0 / 24.0, -0.5};
+  const double sin_r = r - r * r2 * horner(kSin, r2);
+  const double cos_r = fma(horner(kCos, r2), r2, 1.0);
   switch (static_cast<int>(static_cast<long long>(k) & 3)) {
     case 0: return make_float2(static_cast<float>(cos_r), static_cast<float>(sin_r));
     case 1: return make_float2(static_cast<float>(-sin_r), static_cast<float>(cos_r));
