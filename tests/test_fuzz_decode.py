@@ -70,9 +70,9 @@ def plan_cases(draw: st.DrawFn) -> tuple[dict[str, Any], Broken]:
 def test_decode_plan_plan_rejects_bad_lengths_and_tile_configs(monkeypatch):
     loaded: list[Any] = []
 
-    def stand_in_load(variant: Any, device: Any) -> tuple[StandInKernel, StandInKernel]:
+    def stand_in_load(variant: Any, device: Any) -> tuple[StandInKernel, ...]:
         loaded.append(variant)
-        return StandInKernel(), StandInKernel()
+        return StandInKernel(), StandInKernel(), StandInKernel()
 
     monkeypatch.setattr(decode_plan, "load_variant", stand_in_load)
 

@@ -211,29 +211,40 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return rank;
 }
 
-// All threads of all CTAs of the cluster; release/acquire orders shared-memory writes before
-// the barrier with remote reads after it.
-__device__ __forceinline__ void cluster_sync() {
+// The cluster barrier in two halves, for a barrier some CTAs only arrive at: arrive (release:
+// orders this thread's earlier shared-memory writes, remote ones included, before the arrival)
+// and wait (acquire). A CTA may arrive and exit; wait only waits for threads that have not
+// exited.
+__device__ __forceinline__ void cluster_arrive() {
 #if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
   __trap();
 #endif
 }
 
-// A float in CTA `rank`'s shared memory at the same offset as `local` in ours (DSMEM).
-__device__ __forceinline__ float load_cluster_float(const float* local, uint32_t rank) {
-  float value = 0.f;
+// The DSMEM address of `local`'s counterpart in CTA `rank`'s shared memory, and a store there.
+__device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t rank) {
+  uint32_t remote = 0;
 #if __CUDA_ARCH__ >= 900
-  uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+#endif
+  return remote;
+}
+__device__ __forceinline__ void store_cluster_float(uint32_t remote, float value) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
 #else
   __trap();
 #endif
-  return value;
 }
 
 // Programmatic dependent launch: wait until the previous kernel on the stream has finished and

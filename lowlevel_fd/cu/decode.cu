@@ -26,8 +26,8 @@ namespace llfd {
 
 // STAGES tiles per warp are in flight in shared memory (decode_pipeline.cuh).
 // CLUSTER: the CTAs of one (batch, kv head) form a thread-block cluster (grid.y = cluster size =
-// num_splits) and merge their partials through distributed shared memory, with no global
-// round trips; otherwise the last CTA to arrive merges through global memory.
+// num_splits) and push their partials into the leader's shared memory (DSMEM), with no global
+// round trips (decode_merge.cuh); otherwise the last CTA to arrive merges through global memory.
 // TILES: 16-token tiles per step of a warp. Two give each warp two independent QK chains and
 // one softmax reduction per 32 tokens (more work in flight per warp when warps are few).
 // APPEND: the fused append of decode_append.cuh (DecodePlan.append_and_run); seq_lens are then
@@ -344,6 +344,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
 
   const bool single = active == 1;
   const int64_t part = ((static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits + split);
+  // Cluster merge: this CTA's slot in the leader's shared memory (decode_merge.cuh).
+  using Slots = ClusterSlots<HEAD_DIM, GROUP>;
+  float* const slots =
+      reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.cluster_slots_offset);
+  const uint32_t my_slot = CLUSTER ? cluster_address(slots + split * Slots::kFloats, 0) : 0u;
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
     const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
     // The appended token is one more partial: sum 1, its score, its V.
@@ -370,9 +375,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
     value = idle ? 0.f : value * v_const / total;
     const float lse2 = idle ? kNegInf : best + __log2f(total);
     if (CLUSTER) {
-      float* part = smem + NUM_WARPS * GROUP * HEAD_DIM;
-      part[idx] = value;
-      if (d == 0) part[GROUP * HEAD_DIM + row] = lse2;
+      if (!idle) {
+        store_cluster_float(my_slot + 4 * idx, value);
+        if (d == 0) store_cluster_float(my_slot + 4 * (Slots::kOutputs + row), lse2);
+      }
     } else if (single) {
       static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
                                     d] = from_float<QT>(value);
@@ -384,7 +390,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
     }
   }
   if constexpr (CLUSTER) {
-    cluster_merge<HEAD_DIM, GROUP, QT>(p, b, kvh, active, smem + NUM_WARPS * GROUP * HEAD_DIM);
+    cluster_arrive();  // after this thread's slot stores (release)
+    if (split != 0) return;
+    cluster_wait();  // every CTA's slot has landed (acquire)
+    leader_merge<HEAD_DIM, GROUP, QT>(p, b, kvh, active, slots);
     return;
   }
   if (single || !p.fused_merge) return;

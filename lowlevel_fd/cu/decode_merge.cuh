@@ -68,35 +68,30 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
 
 constexpr int kMaxCluster = 16;  // non-portable cluster size limit on sm_90
 
-// Merge the splits of one (batch, kv head) inside its cluster: each CTA has left its normalised
-// partial [GROUP][HEAD_DIM] and base-2 LSEs [GROUP] at `part` in its shared memory; CTA `rank`
-// merges outputs [rank * slice, (rank + 1) * slice) by reading every active CTA's partial
-// through DSMEM. Fixed order over ranks: reproducible.
+// The cluster merge of one (batch, kv head), push model: every active CTA of the cluster has
+// stored its normalised partial [GROUP][HEAD_DIM] and base-2 LSEs [GROUP] into slot `rank` of
+// the leader's (rank 0) `slots` through DSMEM and arrived at the cluster barrier; the leader
+// waits for the arrivals and merges the slots from its own shared memory. The other CTAs exit
+// right after arriving: no second barrier and no remote loads. Fixed order over ranks:
+// reproducible.
+template <int HEAD_DIM, int GROUP>
+struct ClusterSlots {
+  static constexpr int kOutputs = GROUP * HEAD_DIM, kFloats = kOutputs + GROUP;
+};
+
 template <int HEAD_DIM, int GROUP, typename QT>
-__device__ void cluster_merge(const DecodeParams& p, int b, int kvh, int active,
-                              const float* part) {
-  cluster_sync();  // every partial is written and visible
-  const int rank = static_cast<int>(cluster_rank());
-  constexpr int kOutputs = GROUP * HEAD_DIM;
-  const int slice = (kOutputs + p.num_splits - 1) / p.num_splits;
-  const int stop = min(kOutputs, (rank + 1) * slice);
-  for (int idx = rank * slice + threadIdx.x; idx < stop; idx += blockDim.x) {
+__device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
+                             const float* slots) {
+  using C = ClusterSlots<HEAD_DIM, GROUP>;
+  for (int idx = threadIdx.x; idx < C::kOutputs; idx += blockDim.x) {
     const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
-    float lse[kMaxCluster], value[kMaxCluster];
-#pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) {  // all loads in flight together
-      lse[r] = r < active ? load_cluster_float(part + kOutputs + row, r) : kNegInf;
-      value[r] = r < active ? load_cluster_float(part + idx, r) : 0.f;
-    }
     float best = kNegInf;
-#pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) best = fmaxf(best, lse[r]);
+    for (int r = 0; r < active; ++r) best = fmaxf(best, slots[r * C::kFloats + C::kOutputs + row]);
     float total = 0.f, acc = 0.f;
-#pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r) {
-      const float w = r < active ? fast_exp2(lse[r] - best) : 0.f;
+    for (int r = 0; r < active; ++r) {
+      const float w = fast_exp2(slots[r * C::kFloats + C::kOutputs + row] - best);
       total += w;
-      acc += w * value[r];
+      acc += w * slots[r * C::kFloats + idx];
     }
     const int head = kvh * GROUP + row;
     static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + head * p.out_head_stride + d] =
@@ -104,7 +99,6 @@ __device__ void cluster_merge(const DecodeParams& p, int b, int kvh, int active,
     if (p.lse != nullptr && d == 0)
       p.lse[b * p.num_kv_heads * GROUP + head] = (best + __log2f(total)) * kLn2;
   }
-  cluster_sync();  // no CTA exits while others still read its shared memory
 }
 
 }  // namespace llfd

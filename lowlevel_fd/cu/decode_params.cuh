@@ -34,7 +34,7 @@ struct DecodeParams {
   int32_t append;           // 1: fused append (decode_append.cuh): seq_lens are the positions
   int32_t rope;             //   of the new tokens; RopeStyle of their rotation
   float rope_theta;         //   inv_freq[i] = theta^(-2i/D) when cos_sin is null
-  int32_t reserved;
+  int32_t cluster_slots_offset;  // cluster merge: bytes into dynamic shared memory of the slots
   const void* k_new;        //   the new tokens' K and V: [B, Hkv, D] like q
   const void* v_new;
   const float* cos_sin;     //   [max_pos >= capacity, D/2, 2] fp32, or null

@@ -33,8 +33,7 @@ def load_variant(variant: DecodeVariant, device: Device) -> tuple[Kernel, Kernel
         split = module.get_kernel(program.symbol(variant.split_kernel))
         combine = module.get_kernel(program.symbol(variant.combine_kernel))
         advance = module.get_kernel(program.symbol(variant.advance_kernel))
-        if variant.dynamic_shared_bytes > 48 * 1024:
-            split.set_max_dynamic_shared(variant.dynamic_shared_bytes)
+        split.allow_dynamic_shared(variant.dynamic_shared_bytes)
         if variant.cluster:
             split.allow_large_clusters()
         _loaded[key] = (module, split, combine, advance)
@@ -130,12 +129,14 @@ class DecodePlan:
                 raise ValueError(f"config.cluster: needs sm_90+ and 1..{MAX_CLUSTER} splits, "
                                  f"got {self.device.arch} and {config.num_splits} splits")
             variant = replace(variant, cluster=True)
-        if variant.dynamic_shared_bytes > self.device.info.max_shared_per_block_optin:
-            raise ValueError(f"config: {variant.dynamic_shared_bytes} bytes of shared memory per "
-                             f"CTA exceed the device's {self.device.info.max_shared_per_block_optin}"
-                             f" (fewer warps, stages or tiles)")
+        shared, slots_offset = variant.launch_shared_bytes(config.num_splits)
+        if shared > self.device.info.max_shared_per_block_optin:
+            raise ValueError(f"config: {shared} bytes of shared memory per CTA exceed the "
+                             f"device's {self.device.info.max_shared_per_block_optin} (fewer "
+                             f"warps, stages, tiles or cluster splits)")
         split, combine, advance = load_variant(variant, self.device)
-        ctas_per_sm = split.occupancy(variant.threads, variant.dynamic_shared_bytes)
+        split.allow_dynamic_shared(shared)
+        ctas_per_sm = split.occupancy(variant.threads, shared)
         if not 1 <= config.num_splits <= MAX_SPLITS:
             raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got "
                              f"{config.num_splits}")
@@ -154,14 +155,16 @@ class DecodePlan:
         p.min_split_tokens = config.min_split_tokens
         p.fused_merge = int(config.fused_merge)
         grid = (self.num_kv_heads, config.num_splits, batch)
+        p.cluster_slots_offset = slots_offset
         launch_config = LaunchConfig(
-            grid, variant.threads, variant.dynamic_shared_bytes,
+            grid, variant.threads, shared,
             cluster=(1, config.num_splits, 1) if config.cluster else None,
             programmatic=config.programmatic and hopper)
         self._split = split.prepare(launch_config, p)
         self._split_append = None
         if append:  # the same launch of the APPEND instantiation, on the same parameter block
             fused_split, _, _ = load_variant(replace(variant, append=True), self.device)
+            fused_split.allow_dynamic_shared(shared)
             self._split_append = fused_split.prepare(launch_config, p)
         self._combine = None
         if config.num_splits > 1 and not config.fused_merge and not config.cluster:
@@ -180,7 +183,7 @@ class DecodePlan:
             "programmatic": config.programmatic and hopper,
             "launches": 1 + (self._combine is not None),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
-            "shared_bytes": split.static_shared_bytes + variant.dynamic_shared_bytes,
+            "shared_bytes": split.static_shared_bytes + shared,
             "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,
             "append_kernel": replace(variant, append=True).split_kernel if append else None,
         }

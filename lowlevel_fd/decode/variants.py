@@ -80,6 +80,18 @@ class DecodeVariant:
         merge = (self.num_warps * outputs + outputs + self.group_size) * 4  # + cluster partial
         return max(pipelines, merge)
 
+    def cluster_slots_bytes(self, num_splits: int) -> int:
+        """The cluster merge's slots after the dynamic shared memory above (16-byte aligned):
+        one normalised partial [GROUP][D] and GROUP LSEs (fp32) per split."""
+        return num_splits * (self.group_size * self.head_dim + self.group_size) * 4
+
+    def launch_shared_bytes(self, num_splits: int) -> tuple[int, int]:
+        """(dynamic shared memory of a launch, offset of the cluster slots in it)."""
+        if not self.cluster:
+            return self.dynamic_shared_bytes, 0
+        offset = -(-self.dynamic_shared_bytes // 16) * 16
+        return offset + self.cluster_slots_bytes(num_splits), offset
+
     def compile(self, arch: str) -> CompiledProgram:
         return compile_cached(SOURCE, CompileOptions(arch=arch),
                               (self.split_kernel, self.combine_kernel, self.advance_kernel))

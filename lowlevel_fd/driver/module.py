@@ -94,6 +94,7 @@ class Kernel:
         self.module = module
         self.name = name
         self.handle = cu.cuModuleGetFunction(module.handle, name.encode())
+        self._dynamic_shared_allowed = 48 * 1024  # the default limit of every kernel
 
     def attribute(self, attr: str) -> int:
         return int(cu.cuFuncGetAttribute(getattr(raw.CUfunction_attribute, attr), self.handle))
@@ -115,6 +116,13 @@ class Kernel:
         cu.cuFuncSetAttribute(
             self.handle,
             raw.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        self._dynamic_shared_allowed = nbytes
+
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        """Raise the dynamic shared memory limit to at least ``nbytes``, never lower it: launches
+        prepared earlier with a larger size stay valid."""
+        if nbytes > self._dynamic_shared_allowed:
+            self.set_max_dynamic_shared(nbytes)
 
     def allow_large_clusters(self) -> None:
         """Permit clusters of up to 16 CTAs (8 is the portable limit)."""
