@@ -143,11 +143,15 @@ def tune_workload(workload: Workload, args: argparse.Namespace, iters: Iteration
         for config in configs:
             try:
                 record = _timed(bench, config, iters)
-            except Exception:
-                record = {"config": dataclasses.asdict(config), "label": config_label(config),
-                          "error": traceback.format_exc()}
+            except Exception as exc:
+                record = {"config": dataclasses.asdict(config), "label": config_label(config)}
+                if isinstance(exc, ValueError) and "exceed the device's" in str(exc):
+                    record["skipped"] = str(exc)  # its shared memory does not fit: no failure
+                else:
+                    record["error"] = traceback.format_exc()
             records.append(record)
-            status = ("ERROR " + record["error"].strip().splitlines()[-1]
+            status = ("skipped: does not fit" if "skipped" in record else
+                      "ERROR " + record["error"].strip().splitlines()[-1]
                       if "error" in record else
                       f"FAIL rel err {record['check']['max_rel_err']:.1e}"
                       if not record["check"]["ok"] else "")
@@ -168,7 +172,8 @@ def tune_workload(workload: Workload, args: argparse.Namespace, iters: Iteration
                 "auto": config_label(auto), "best": config_label(best_config),
                 "auto_us": auto_us, "best_us": best_us, "ratio": auto_us / best_us,
                 "confirm": confirm, "configs": records,
-                "failures": [r["label"] for r in records if "median_us" not in r]}
+                "failures": [r["label"] for r in records
+                             if "median_us" not in r and "skipped" not in r]}
     finally:
         bench.close()
 
