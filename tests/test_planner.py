@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowlevel_fd.decode import DecodeVariant, shipped_variants
-from lowlevel_fd.decode.planner import (MAX_CLUSTER, MAX_PORTABLE_SPLITS, MAX_SPLITS,
-                                        SPLIT_TOKENS, TileConfig, Workload, choose,
+from lowlevel_fd.decode.planner import (MAX_CLUSTER, MAX_GLOBAL_SPLITS, MAX_PORTABLE_SPLITS,
+                                        MAX_SPLITS, SPLIT_TOKENS, TileConfig, Workload, choose,
                                         default_min_split_tokens, workspace_pairs_bound)
 from lowlevel_fd.decode.variants import GROUP_SIZES, HEAD_DIMS, Q_DTYPES
 
@@ -50,7 +50,8 @@ def test_a_single_long_sequence_is_split_to_fill_the_gpu(num_kv_heads, max_len):
     assert count > 1
     # At least half the SMs busy (splits round down to a power of two), unless the cap on
     # splits is what limits them.
-    assert num_kv_heads * count >= H100_SMS // 2 or count == MAX_PORTABLE_SPLITS
+    assert num_kv_heads * count >= H100_SMS // 2 or count in (MAX_PORTABLE_SPLITS,
+                                                               MAX_GLOBAL_SPLITS)
 
 
 @pytest.mark.parametrize("num_warps", [2, 4, 8])
@@ -74,9 +75,17 @@ def test_no_split_is_shorter_than_min_split_tokens(num_warps, min_split_tokens, 
 @pytest.mark.parametrize("sm_count", [H100_SMS, A100_SMS, 1000])
 @pytest.mark.parametrize("batch", [1, 2, 600])
 @pytest.mark.parametrize("group_size", [1, 16])
-def test_never_more_than_the_split_cap(sm_count, batch, group_size):
-    count = splits(batch, 1, 2**30, sm_count, group_size, min_split_tokens=16)
-    assert count == MAX_PORTABLE_SPLITS <= MAX_SPLITS
+@pytest.mark.parametrize("clusters", [False, True])
+def test_never_more_than_the_split_cap(sm_count, batch, group_size, clusters):
+    config = plan_for(batch, 1, 2**30, sm_count, group_size, min_split_tokens=16,
+                      clusters=clusters)
+    few_pairs = 2 * batch <= sm_count
+    if config.cluster or not few_pairs:  # a portable cluster, or enough pairs to fill the GPU
+        assert config.num_splits == MAX_PORTABLE_SPLITS
+    else:  # few pairs merged through global memory: as many as fill the SMs, up to the cap
+        power = 1 << ((sm_count // batch).bit_length() - 1)
+        assert config.num_splits == min(power, MAX_GLOBAL_SPLITS) <= MAX_SPLITS
+        assert batch * config.num_splits <= sm_count
 
 
 @pytest.mark.parametrize("batch, max_len", [(1, 2**20), (1, 4096), (4, 65536), (64, 65536),
@@ -109,7 +118,7 @@ def test_choose_passes_its_tile_settings_through(num_warps):
 @pytest.mark.parametrize("num_kv_heads", [1, 8, 32])
 @pytest.mark.parametrize("max_batch", [1, 7, 64])
 def test_workspace_bound_covers_every_batch_and_length(sm_count, num_kv_heads, max_batch):
-    bound = workspace_pairs_bound(max_batch, num_kv_heads)
+    bound = workspace_pairs_bound(max_batch, num_kv_heads, sm_count)
     for batch, max_len, group_size in itertools.product(
             range(1, max_batch + 1), (1, 200, 4096, 131072), (1, 16)):
         used = batch * num_kv_heads * splits(batch, num_kv_heads, max_len, sm_count, group_size)
@@ -127,8 +136,8 @@ def test_workspace_bound_property(max_batch, batch_fraction, num_kv_heads, sm_co
     config = plan_for(batch, num_kv_heads, max_len, sm_count, group_size, num_warps=num_warps,
                       clusters=clusters)
     assert 1 <= config.num_splits <= MAX_SPLITS
-    assert batch * num_kv_heads * config.num_splits <= workspace_pairs_bound(max_batch,
-                                                                             num_kv_heads)
+    assert batch * num_kv_heads * config.num_splits <= workspace_pairs_bound(
+        max_batch, num_kv_heads, sm_count)
 
 
 # -- variants ----------------------------------------------------------------------------------
@@ -193,8 +202,9 @@ def test_shipped_variants_cover_the_support_matrix_once(num_warps):
 
 @pytest.mark.parametrize("batch, max_len, head_dim, group_size, clusters, tiles", [
     (1, 32768, 128, 4, True, 2),     # 64 CTAs, 4096-token splits: rule 7
-    (1, 16384, 128, 4, True, 2),     # 2048-token splits: the threshold
-    (1, 8192, 128, 4, True, 1),      # 1024-token splits: too short
+    (1, 16384, 128, 4, True, 2),     # 2048-token splits
+    (1, 8192, 128, 4, True, 2),      # 1024-token splits: the threshold
+    (1, 4096, 128, 4, True, 1),      # 512-token splits: too short
     (2, 32768, 128, 4, True, 1),     # 128 CTAs: more than half the SMs
     (1, 32768, 64, 4, True, 1),      # not measured at head_dim 64
     (1, 32768, 128, 16, True, 1),    # group 16 merges globally

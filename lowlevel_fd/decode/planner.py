@@ -7,17 +7,20 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
    cover the SMs, in powers of two. More CTAs than that cost more in merging than they gain.
 3. Many pairs: split into ~1024-token ranges (powers of two). Longer ranges leave a long tail
    of the last wave; shorter ones spend more on the merge.
-4. Never more than MAX_PORTABLE_SPLITS splits (a portable thread-block cluster on sm_90:
-   16-CTA clusters measured slower), never a split shorter than ``min_split_tokens`` (every
-   warp needs whole 16-token tiles), and one split when the sequence is too short.
+4. Never more than MAX_PORTABLE_SPLITS splits when they merge in a cluster (a portable
+   thread-block cluster on sm_90: 10- to 16-CTA clusters measured slower), MAX_GLOBAL_SPLITS
+   when they merge through global memory (B=1 Hkv=1 S=32768: 8 splits 38.9 us, 32 18.6, 64
+   18.4, 128 24.8), never a split shorter than ``min_split_tokens`` (every warp needs whole
+   16-token tiles), and one split when the sequence is too short.
 5. Each sequence's split length is recomputed on the device from its live length and the
    planned split count, so ragged and growing lengths stay balanced without re-planning.
 6. The splits merge inside a thread-block cluster through distributed shared memory on sm_90
    (groups of at most 8 heads), and the kernel uses programmatic dependent launch; otherwise
    the last CTA to finish merges through global memory.
 7. Two 16-token tiles per warp step (sm_90, head_dim 128) when the CTAs are few (at most half
-   the SMs, one CTA each) and every split is long: 9-11% faster at B=1 for S >= 32768, 2% at
-   S = 16384; slower with short splits or 128 CTAs (PERF_NOTES.md v9).
+   the SMs, one CTA each) and every split is long (>= 1024 tokens): 9-11% faster at B=1 for
+   S >= 32768, 2-4% at S = 8192 and 16384; slower with 512-token splits or 128 CTAs
+   (PERF_NOTES.md v9, v12).
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ import numpy as np
 
 MAX_SPLITS = 128
 MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
-MAX_PORTABLE_SPLITS = 8  # what the planner picks at most (a portable cluster)
+MAX_PORTABLE_SPLITS = 8  # what the planner picks at most for a cluster merge
+MAX_GLOBAL_SPLITS = 64  # ... and for a merge through global memory
 SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU
-TWO_TILE_SPLIT_TOKENS = 2048  # the shortest split that takes two tiles per warp step (rule 7)
+TWO_TILE_SPLIT_TOKENS = 1024  # the shortest split that takes two tiles per warp step (rule 7)
 TWO_TILE_HEAD_DIMS = (128,)  # where rule 7 was measured
 
 
@@ -79,10 +83,13 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     else:
         wanted = _power_of_two_at_most(max(1, work.max_len // SPLIT_TOKENS))
     by_length = max(1, work.max_len // min_tokens)
-    splits = max(1, min(wanted, by_length, MAX_PORTABLE_SPLITS))
-    # Groups over 8 heads merge through global memory: their cluster merge measured 1.5x
-    # slower (B=32 S=4096 Hkv=1: 33.4 vs 21.8 us), the DSMEM slice per CTA being 2x larger.
-    cluster = clusters and splits > 1 and work.group_size <= 8
+    # Groups over 8 heads merge through global memory: their cluster slots are 2x larger and
+    # measured slower or not co-resident (B=32 S=4096 Hkv=1: 4 splits 31.6 us vs 22.0).
+    merge_in_cluster = clusters and work.group_size <= 8
+    few_pairs = 2 * pairs <= work.sm_count
+    cap = MAX_GLOBAL_SPLITS if few_pairs and not merge_in_cluster else MAX_PORTABLE_SPLITS
+    splits = max(1, min(wanted, by_length, cap))
+    cluster = merge_in_cluster and splits > 1
     # Rule 7: one CTA per SM on at most half the SMs, each split >= 2048 tokens.
     tiles = 2 if (cluster and work.head_dim in TWO_TILE_HEAD_DIMS and
                   2 * pairs * splits <= work.sm_count and
@@ -94,10 +101,11 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
                       programmatic=clusters, tiles=tiles)
 
 
-def workspace_pairs_bound(max_batch: int, num_kv_heads: int) -> int:
+def workspace_pairs_bound(max_batch: int, num_kv_heads: int, sm_count: int) -> int:
     """An upper bound on ``B * Hkv * splits`` over every plan ``choose`` can make: the size of
-    the global split-merge workspace that serves all of them."""
-    return max_batch * num_kv_heads * MAX_PORTABLE_SPLITS
+    the global split-merge workspace that serves all of them. Past MAX_PORTABLE_SPLITS only
+    with few pairs, where pairs x splits stays within the SM count."""
+    return max(max_batch * num_kv_heads * MAX_PORTABLE_SPLITS, sm_count)
 
 
 def lengths_summary(seq_lens: np.ndarray) -> tuple[int, int]:
