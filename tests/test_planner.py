@@ -46,12 +46,14 @@ def test_with_many_pairs_splits_stay_long(batch, num_kv_heads, max_len):
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
 @pytest.mark.parametrize("max_len", [8192, 32768, 131072])
 def test_a_single_long_sequence_is_split_to_fill_the_gpu(num_kv_heads, max_len):
-    count = splits(1, num_kv_heads, max_len)
+    config = plan_for(1, num_kv_heads, max_len)
+    count = config.num_splits
     assert count > 1
     # At least half the SMs busy (splits round down to a power of two), unless the cap on
-    # splits is what limits them.
-    assert num_kv_heads * count >= H100_SMS // 2 or count in (MAX_PORTABLE_SPLITS,
-                                                               MAX_GLOBAL_SPLITS)
+    # splits or, past 8 global splits, two tiles per warp per split is what limits them.
+    by_length = 1 << ((max_len // (2 * config.min_split_tokens)).bit_length() - 1)
+    assert num_kv_heads * count >= H100_SMS // 2 or count in (
+        MAX_PORTABLE_SPLITS, MAX_GLOBAL_SPLITS, by_length)
 
 
 @pytest.mark.parametrize("num_warps", [2, 4, 8])
@@ -84,8 +86,16 @@ def test_never_more_than_the_split_cap(sm_count, batch, group_size, clusters):
         assert config.num_splits == MAX_PORTABLE_SPLITS
     else:  # few pairs merged through global memory: as many as fill the SMs, up to the cap
         power = 1 << ((sm_count // batch).bit_length() - 1)
-        assert config.num_splits == min(power, MAX_GLOBAL_SPLITS) <= MAX_SPLITS
-        assert batch * config.num_splits <= sm_count
+        assert config.num_splits == max(MAX_PORTABLE_SPLITS, min(power, MAX_GLOBAL_SPLITS))
+        assert batch * config.num_splits <= max(sm_count, MAX_PORTABLE_SPLITS * batch)
+
+
+@pytest.mark.parametrize("max_len, expected", [(1024, 8), (4096, 16), (8192, 32), (32768, 64)])
+def test_global_splits_past_eight_keep_two_tiles_per_warp(max_len, expected):
+    config = plan_for(1, 1, max_len, H100_SMS, 16, clusters=True)  # group 16: global merge
+    assert not config.cluster and config.num_splits == expected
+    if expected > MAX_PORTABLE_SPLITS:
+        assert max_len // config.num_splits >= 2 * config.min_split_tokens
 
 
 @pytest.mark.parametrize("batch, max_len", [(1, 2**20), (1, 4096), (4, 65536), (64, 65536),

@@ -10,7 +10,8 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
 4. Never more than MAX_PORTABLE_SPLITS splits when they merge in a cluster (a portable
    thread-block cluster on sm_90: 10- to 16-CTA clusters measured slower), MAX_GLOBAL_SPLITS
    when they merge through global memory (B=1 Hkv=1 S=32768: 8 splits 38.9 us, 32 18.6, 64
-   18.4, 128 24.8), never a split shorter than ``min_split_tokens`` (every warp needs whole
+   18.4, 128 24.8; past 8, splits of at least two tiles per warp: S=4096 16 splits 10.9 us,
+   32 11.8), never a split shorter than ``min_split_tokens`` (every warp needs whole
    16-token tiles), and one split when the sequence is too short.
 5. Each sequence's split length is recomputed on the device from its live length and the
    planned split count, so ragged and growing lengths stay balanced without re-planning.
@@ -89,6 +90,9 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     few_pairs = 2 * pairs <= work.sm_count
     cap = MAX_GLOBAL_SPLITS if few_pairs and not merge_in_cluster else MAX_PORTABLE_SPLITS
     splits = max(1, min(wanted, by_length, cap))
+    if splits > MAX_PORTABLE_SPLITS:  # the extra global splits need two tiles per warp each
+        splits = max(MAX_PORTABLE_SPLITS,
+                     min(splits, _power_of_two_at_most(max(1, work.max_len // (2 * min_tokens)))))
     cluster = merge_in_cluster and splits > 1
     # Rule 7: one CTA per SM on at most half the SMs, each split >= 2048 tokens.
     tiles = 2 if (cluster and work.head_dim in TWO_TILE_HEAD_DIMS and
