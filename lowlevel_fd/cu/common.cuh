@@ -215,6 +215,13 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 // orders this thread's earlier shared-memory writes, remote ones included, before the arrival)
 // and wait (acquire). A CTA may arrive and exit; wait only waits for threads that have not
 // exited.
+__device__ __forceinline__ void cluster_arrive_relaxed() {  // no memory ordering
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
 __device__ __forceinline__ void cluster_arrive() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");

@@ -54,6 +54,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
   const int head0 = kvh * GROUP;
   wait_for_previous_grid();  // q, lengths and the cache may come from the previous kernel
   allow_next_grid();
+  // Cluster merge, phase 1: a CTA may store into the leader's shared memory only once every
+  // CTA of the cluster has started; arrive now, wait just before the stores.
+  if constexpr (CLUSTER) cluster_arrive_relaxed();
 
   // ---- load: the query group first: its latency overlaps the length read below ----
   // head_dim 256 keeps the Q fragments in shared memory (8 bytes per lane and k-step,
@@ -349,6 +352,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   float* const slots =
       reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.cluster_slots_offset);
   const uint32_t my_slot = CLUSTER ? cluster_address(slots + split * Slots::kFloats, 0) : 0u;
+  if constexpr (CLUSTER) cluster_wait();  // phase 1 complete: the leader has started
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
     const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
     // The appended token is one more partial: sum 1, its score, its V.
@@ -390,7 +394,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
     }
   }
   if constexpr (CLUSTER) {
-    cluster_arrive();  // after this thread's slot stores (release)
+    cluster_arrive();  // phase 2, after this thread's slot stores (release)
     if (split != 0) return;
     cluster_wait();  // every CTA's slot has landed (acquire)
     leader_merge<HEAD_DIM, GROUP, QT>(p, b, kvh, active, slots);

@@ -72,7 +72,9 @@ constexpr int kMaxCluster = 16;  // non-portable cluster size limit on sm_90
 // stored its normalised partial [GROUP][HEAD_DIM] and base-2 LSEs [GROUP] into slot `rank` of
 // the leader's (rank 0) `slots` through DSMEM and arrived at the cluster barrier; the leader
 // waits for the arrivals and merges the slots from its own shared memory. The other CTAs exit
-// right after arriving: no second barrier and no remote loads. Fixed order over ranks:
+// right after arriving: only the leader waits, and nobody loads remotely. (A first barrier
+// phase, arrived at on entry and waited on before the stores, makes sure the leader has
+// started: DSMEM may only be accessed in a CTA that is running.) Fixed order over ranks:
 // reproducible.
 template <int HEAD_DIM, int GROUP>
 struct ClusterSlots {
