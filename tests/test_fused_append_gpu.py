@@ -140,7 +140,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("positions", [[1, 65, 1025, 3000], [15, 16, 17, 127], [4099, 0, 2, 129]])
+@pytest.mark.parametrize("positions", [[1, 65, 1025, 3000], [15, 16, 17, 127], [4099, 0, 2, 129],
+                                       [1023, 63, 4096, 1024]])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_every_launch_configuration_places_the_new_token(rng, stream, config, positions):
     """The new token lands in the last active split wherever that split starts: right after a
