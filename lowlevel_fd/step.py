@@ -144,6 +144,12 @@ class DecodeStep:
     def validate(self, layers: Sequence[Any], seq_lens: Any) -> tuple[list[LayerBuffers], Any]:
         """Check every layer's buffers and ``seq_lens`` (int32 ``[B]`` on the device) against
         the plan; ValueError/TypeError name the layer and the argument. Launches nothing."""
+        bound, lengths, _ = self._checked(layers, seq_lens)
+        return bound, lengths
+
+    def _checked(self, layers: Sequence[Any], seq_lens: Any
+                 ) -> tuple[list[LayerBuffers], DeviceArray, int]:
+        """validate(), plus the layers' cache capacity S_max (of the first layer)."""
         self._require_open()
         if self._host_lengths is None:
             raise RuntimeError("DecodeStep: call plan(host_lengths) first")
@@ -155,21 +161,16 @@ class DecodeStep:
             raise ValueError(f"layers: expected {self.num_layers} layers' buffers (num_layers), "
                              f"got {len(layers)}")
         lengths = append_bind.lengths("seq_lens", seq_lens, self.append, batch)
-        bound = [self._layer(i, layer, lengths, batch) for i, layer in enumerate(layers)]
-        capacities = {self._capacity(layer) for layer in bound}
+        checked = [self._layer(i, layer, lengths, batch) for i, layer in enumerate(layers)]
+        capacities = {capacity for _, capacity in checked}
         if self.fused and len(capacities) > 1:  # one advance_lengths serves every layer
             raise ValueError(f"layers: expected caches of one capacity S_max in every layer "
                              f"(the fused step advances the lengths once), got "
                              f"{sorted(capacities)}")
-        return bound, lengths
-
-    def _capacity(self, layer: LayerBuffers) -> int:
-        """S_max of a validated layer's caches."""
-        shape = check.device_array("k_cache", layer.k_cache, self.device).shape
-        return int(shape[2] if self.append.kv_layout == "bnsh" else shape[1])
+        return [layer for layer, _ in checked], lengths, checked[0][1]
 
     def _layer(self, index: int, layer: Any, lengths: DeviceArray,
-               batch: int) -> LayerBuffers:
+               batch: int) -> tuple[LayerBuffers, int]:
         name = f"layers[{index}]"
         if isinstance(layer, Mapping):
             unknown = sorted(set(layer) - set(_FIELDS))
@@ -197,25 +198,25 @@ class DecodeStep:
                            layer.out, layer.lse)  # a scratch block: only the checks matter
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{name}.{exc}") from None
-        return layer
+        return layer, capacity
 
     # -- run ----------------------------------------------------------------------------------
     def capture(self, layers: Sequence[Any], seq_lens: Any, stream: StreamLike) -> Graph:
         """Validate, then capture the whole step on ``stream`` (not the legacy stream) into a
         Graph. Each ``graph.launch(stream)`` is one step: it reads the buffers in place and
         advances ``seq_lens`` by one. Valid until the next ``plan``."""
-        bound, lengths = self.validate(layers, seq_lens)
+        bound, lengths, capacity = self._checked(layers, seq_lens)
         with capture(stream) as graph:
-            self._issue(bound, lengths, stream)
+            self._issue(bound, lengths, capacity, stream)
         return graph
 
     def eager(self, layers: Sequence[Any], seq_lens: Any, stream: StreamLike) -> None:
         """Validate, then enqueue the step's launches on ``stream`` one by one: the same
         launches, in the same order, as a replay of ``capture``'s graph."""
-        bound, lengths = self.validate(layers, seq_lens)
-        self._issue(bound, lengths, stream)
+        bound, lengths, capacity = self._checked(layers, seq_lens)
+        self._issue(bound, lengths, capacity, stream)
 
-    def _issue(self, layers: list[LayerBuffers], seq_lens: DeviceArray,
+    def _issue(self, layers: list[LayerBuffers], seq_lens: DeviceArray, capacity: int,
                stream: StreamLike) -> None:
         if self.fused:
             for layer in layers:
@@ -223,7 +224,7 @@ class DecodeStep:
                     layer.q, layer.k_new, layer.v_new, layer.k_cache, layer.v_cache,
                     layer.k_scale, layer.v_scale, seq_lens, layer.out, cos_sin=layer.cos_sin,
                     lse=layer.lse, stream=stream)
-            self.attention.advance_lengths(seq_lens, self._capacity(layers[0]), stream=stream)
+            self.attention.advance_lengths(seq_lens, capacity, stream=stream)
             return
         positions = self._arrays["positions"][:seq_lens.shape[0]]
         if self.num_layers > 1:

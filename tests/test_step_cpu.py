@@ -268,7 +268,8 @@ def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
                         sim.copy(dst, src, stream))
     monkeypatch.setattr(step.append, "run", sim.append)
     monkeypatch.setattr(step.attention, "run", sim.attention)
-    step._issue([LayerBuffers(**layer()) for _ in range(num_layers)], SEQ_LENS, stream=None)
+    step._issue([LayerBuffers(**layer()) for _ in range(num_layers)], SEQ_LENS, capacity,
+                stream=None)
 
     L = np.array(start)
     written = tuple(np.where(L < capacity, L, -1))  # -1: full, nothing written
@@ -289,6 +290,6 @@ def test_fused_layers_all_read_the_step_positions_then_one_advance(monkeypatch, 
                         log.append(("advance", lengths.ptr, capacity)))
     monkeypatch.setattr(step.append, "run", lambda *a, **k: pytest.fail("unfused append ran"))
     buffers = [LayerBuffers(**layer()) for _ in range(num_layers)]
-    step._issue(buffers, SEQ_LENS, stream=None)
+    step._issue(buffers, SEQ_LENS, CAPACITY, stream=None)
     assert log == [("layer", SEQ_LENS.ptr, b.out.ptr) for b in buffers] + [
         ("advance", SEQ_LENS.ptr, CAPACITY)]

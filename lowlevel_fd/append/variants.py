@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..compiler import CompiledProgram, CompileOptions, compile_cached
+from ..decode.params import ROPE_IDS
 from ..driver import Device, Kernel, Module
 
 SOURCE = "append.cu"
@@ -17,7 +18,6 @@ ROPE_STYLES = (None, "neox", "gptj")
 THREADS = 512               # kThreads in append.cu
 PROMPT_TOKENS_PER_CTA = 8   # kPromptTokens in append.cu
 _MODE_ID = {"tensor": 0, "head": 1, "token": 2}
-_ROPE_ID = {None: 0, "neox": 1, "gptj": 2}
 _CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16"}
 # Scales are stored, not converted by tag: fp16 per-token scales travel as raw 16-bit words.
 _SCALE_STORAGE = {"float32": "float", "float16": "uint16_t"}
@@ -37,7 +37,7 @@ class AppendVariant:
     def _arguments(self) -> str:
         scale_t = _SCALE_STORAGE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"{self.head_dim}, {_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.dtype]}, "
-                f"{scale_t}, {_ROPE_ID[self.rope]}")
+                f"{scale_t}, {ROPE_IDS[self.rope]}")
 
     @property
     def append_kernel(self) -> str:

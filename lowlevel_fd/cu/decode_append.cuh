@@ -80,12 +80,11 @@ struct RopeCoefficients {
         cs[j] = rope_table_entry<HEAD_DIM>(p.cos_sin, pos, i);
     }
   }
-  __device__ __forceinline__ void store(const DecodeParams& p, int pos, bool rotate,
-                                        float2* shared) {
+  __device__ __forceinline__ void store(const DecodeParams& p, int pos, float2* shared) {
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int i = threadIdx.x + THREADS * j;
-      if (rotate && i < HEAD_DIM / 2)
+      if (i < HEAD_DIM / 2)
         shared[i] = p.cos_sin != nullptr
                         ? cs[j]
                         : cos_sin_of(__fmul_rn(static_cast<float>(pos), inv_freq[j]));
@@ -107,7 +106,7 @@ __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
   const int lane = threadIdx.x % kLanes, slot = threadIdx.x / kLanes;
   const int rope = rotate_now ? p.rope : kRopeNone;
   if (rope != kRopeNone) {
-    coefficients.store(p, pos, true, sh.cs);
+    coefficients.store(p, pos, sh.cs);
     __syncthreads();
   }
   const int64_t cache_row = b * p.kv_batch_stride + kvh * p.kv_head_stride +

@@ -66,8 +66,6 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
   }
 }
 
-constexpr int kMaxCluster = 16;  // non-portable cluster size limit on sm_90
-
 // The cluster merge of one (batch, kv head), push model: every active CTA of the cluster has
 // stored its normalised partial [GROUP][HEAD_DIM] and base-2 LSEs [GROUP] into slot `rank` of
 // the leader's (rank 0) `slots` through DSMEM and arrived at the cluster barrier; the leader

@@ -7,25 +7,31 @@ from typing import TYPE_CHECKING, Any
 
 from . import validate as check
 from ..driver import DeviceArray
-from .params import DecodeParams
+from .params import ROPE_IDS, DecodeParams
 
 if TYPE_CHECKING:
     from .plan import DecodePlan
 
 
-def _kv_geometry(plan: "DecodePlan", k: Any, name: str) -> tuple[int, int, int, int]:
+def _kv_layout(plan: "DecodePlan", k: DeviceArray) -> tuple[int, int, int, int]:
     """(capacity, batch stride, head stride, token stride) in bytes for either layout."""
+    capacity, axes = (k.shape[2], (0, 1, 2)) if plan.kv_layout == "bnsh" else (k.shape[1],
+                                                                              (0, 2, 1))
+    return (capacity, *(k.strides[a] for a in axes))  # type: ignore[return-value]
+
+
+def _kv_geometry(plan: "DecodePlan", k: Any, name: str) -> int:
+    """Check a cache's shape and layout; its capacity."""
     B, Hkv, D = plan._batch, plan.num_kv_heads, plan.head_dim
     if plan.kv_layout == "bnsh":
         check.shape(name, k, (B, Hkv, None, D), "[B, Hkv, S_max, D]")
-        capacity, axes = k.shape[2], (0, 1, 2)
     else:
         check.shape(name, k, (B, None, Hkv, D), "[B, S_max, Hkv, D]")
-        capacity, axes = k.shape[1], (0, 2, 1)
+    capacity = _kv_layout(plan, k)[0]
     check.int32_count(name, capacity, "tokens of capacity")  # DecodeParams.capacity is int32
     check.inner_contiguous(name, k)
     check.aligned(name, k, 16, (0, 1, 2))
-    return (capacity, *(k.strides[a] for a in axes))  # type: ignore[return-value]
+    return capacity
 
 
 def _scale(plan: "DecodePlan", name: str, array: DeviceArray, capacity: int) -> None:
@@ -47,8 +53,10 @@ def _scale(plan: "DecodePlan", name: str, array: DeviceArray, capacity: int) -> 
 
 
 def bind_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_cache: Any, v_cache: Any,
-                   k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, lse: Any) -> None:
-    """Wrap and check the arguments, then write them into ``p``. The checks are a function of
+                   k_scale: Any, v_scale: Any, seq_lens: Any, out: Any,
+                   lse: Any) -> tuple[DeviceArray | None, ...]:
+    """Wrap and check the arguments, write them into ``p``, return them wrapped (in the order
+    of _NAMES). The checks are a function of
     each array's pointer, shape, strides, dtype and device and of the planned batch and
     longest length: a call whose arguments repeat the last validated ones on all of these
     (the steady state of a decode loop) skips them; wrapping and the closed/device checks run
@@ -70,6 +78,7 @@ def bind_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_cache: Any, v_
         _check_arguments(plan, *arrays)
         plan._validated = key
     _write_arguments(plan, p, *arrays)
+    return arrays
 
 
 _NAMES = ("q", "out", "k_cache", "v_cache", "k_scale", "v_scale", "seq_lens", "lse")
@@ -89,7 +98,7 @@ def _check_arguments(plan: "DecodePlan", q: DeviceArray, out: DeviceArray, k: De
     check.no_internal_overlap("out", out)
     check.dtype("k_cache", k, ("int8",))
     check.dtype("v_cache", v, ("int8",))
-    capacity = _kv_geometry(plan, k, "k_cache")[0]
+    capacity = _kv_geometry(plan, k, "k_cache")
     if v.shape != k.shape or v.strides != k.strides:
         raise ValueError(f"v_cache: expected the shape and strides of k_cache "
                          f"{k.shape}/{k.strides}, got {v.shape}/{v.strides}")
@@ -120,12 +129,7 @@ def _write_arguments(plan: "DecodePlan", p: DecodeParams, q: DeviceArray, out: D
     p.lse = 0 if lse is None else lse.ptr
     p.q_batch_stride, p.q_head_stride = q.strides[0] // item, q.strides[1] // item
     p.out_batch_stride, p.out_head_stride = out.strides[0] // item, out.strides[1] // item
-    if plan.kv_layout == "bnsh":
-        p.capacity = k.shape[2]
-        p.kv_batch_stride, p.kv_head_stride, p.kv_token_stride = k.strides[:3]
-    else:
-        p.capacity = k.shape[1]
-        p.kv_batch_stride, p.kv_token_stride, p.kv_head_stride = k.strides[:3]
+    p.capacity, p.kv_batch_stride, p.kv_head_stride, p.kv_token_stride = _kv_layout(plan, k)
     if plan.scale_mode == "token":
         p.scale_batch_stride = ks.strides[0] // ks.itemsize
         p.scale_head_stride = ks.strides[1] // ks.itemsize
@@ -152,15 +156,15 @@ def bind_append_arguments(plan: "DecodePlan", p: DecodeParams, q: Any, k_new: An
     kn = _new_rows(plan, "k_new", k_new, B)
     vn = _new_rows(plan, "v_new", v_new, B)
     scratch = DecodeParams.from_buffer_copy(p)  # keeps the plan's fields
-    bind_arguments(plan, scratch, q, k_cache, v_cache, k_scale, v_scale, positions, out, lse)
-    for name, obj in (("k_cache", k_cache), ("v_cache", v_cache)):  # written at the positions
-        check.no_internal_overlap(name, check.device_array(name, obj, plan.device))
-    if plan.scale_mode == "token":
-        for name, obj in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check.no_internal_overlap(name, check.device_array(name, obj, plan.device))
+    _, _, k, v, ks, vs, _, _ = bind_arguments(plan, scratch, q, k_cache, v_cache, k_scale,
+                                              v_scale, positions, out, lse)
+    written = ((("k_cache", k), ("v_cache", v)) +  # at the positions, and their scales
+               ((("k_scale", ks), ("v_scale", vs)) if plan.scale_mode == "token" else ()))
+    for name, array in written:
+        check.no_internal_overlap(name, array)
     scratch.cos_sin = rope_table(plan, cos_sin, scratch.capacity)
     scratch.append = 1
-    scratch.rope = {None: 0, "neox": 1, "gptj": 2}[plan.rope]
+    scratch.rope = ROPE_IDS[plan.rope]
     scratch.rope_theta = plan.rope_theta
     scratch.k_new, scratch.v_new = kn.ptr, vn.ptr
     item = kn.itemsize

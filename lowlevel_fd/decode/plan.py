@@ -12,12 +12,11 @@ from ..driver import Device, DeviceArray, Kernel, LaunchConfig, Module, Prepared
 from ..driver.stream import StreamLike
 from . import validate as check
 from .bind import bind_append_arguments, bind_arguments
-from .params import DecodeParams
+from .params import ROPE_IDS, DecodeParams
 from .planner import MAX_CLUSTER, MAX_SPLITS, TileConfig, Workload, choose
 from .variants import GROUP_SIZES, HEAD_DIMS, DecodeVariant
 
 KV_LAYOUTS = ("bnsh", "bsnh")
-_ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}  # RopeStyle in cu/decode_params.cuh
 SCALE_MODES = ("tensor", "head", "token")
 _LOG2E = 1.4426950408889634
 _loaded: dict[tuple[int, DecodeVariant], tuple[Module, Kernel, Kernel]] = {}
@@ -33,7 +32,6 @@ def load_variant(variant: DecodeVariant, device: Device) -> tuple[Kernel, Kernel
         split = module.get_kernel(program.symbol(variant.split_kernel))
         combine = module.get_kernel(program.symbol(variant.combine_kernel))
         advance = module.get_kernel(program.symbol(variant.advance_kernel))
-        split.allow_dynamic_shared(variant.dynamic_shared_bytes)
         if variant.cluster:
             split.allow_large_clusters()
         _loaded[key] = (module, split, combine, advance)
@@ -85,7 +83,7 @@ class DecodePlan:
                 raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
         # RoPE of append_and_run's new token and query (run() never rotates).
-        check.choice("rope", rope, _ROPE_IDS)
+        check.choice("rope", rope, tuple(ROPE_IDS))
         theta = check.real("rope_theta", rope_theta)
         if not theta > 1.0:
             raise ValueError(f"rope_theta: expected a finite base > 1, got {rope_theta!r}")

@@ -77,7 +77,8 @@ class DecodeVariant:
         """The warps' pipelines, later reused for their partial outputs (fp32)."""
         pipelines = self.num_warps * self.stages * self.stage_bytes
         outputs = self.group_size * self.head_dim
-        merge = (self.num_warps * outputs + outputs + self.group_size) * 4  # + cluster partial
+        # The warps' partials, plus one partial and its LSEs (the global merge's scratch fits).
+        merge = (self.num_warps * outputs + outputs + self.group_size) * 4
         return max(pipelines, merge)
 
     def cluster_slots_bytes(self, num_splits: int) -> int:
