@@ -93,12 +93,14 @@ class DecodeStep:
                  scale_mode: str = "token", scale_dtype: str = "float32",
                  dtype: str = "float16", rope: str | None = None, rope_theta: float = 10000.0,
                  sm_scale: float | None = None, fused: bool = True,
-                 device: Device | None = None) -> None:
+                 early_reads: bool = True, device: Device | None = None) -> None:
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
-        if not isinstance(fused, bool):
-            raise TypeError(f"fused: expected a bool, got {type(fused).__name__} {fused!r}")
+        for name, flag in (("fused", fused), ("early_reads", early_reads)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
         self.fused = fused
+        self.early_reads = early_reads  # fused: append_and_run(early_reads=...) for layers > 0
         device = check.device_option(device)  # both plans share it
         self.num_layers = num_layers
         self.append = AppendPlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,
@@ -219,11 +221,13 @@ class DecodeStep:
     def _issue(self, layers: list[LayerBuffers], seq_lens: DeviceArray, capacity: int,
                stream: StreamLike) -> None:
         if self.fused:
-            for layer in layers:
+            for index, layer in enumerate(layers):
+                # Layer i > 0 follows layer i - 1's kernel, which writes neither the lengths
+                # nor this layer's cache: its cache reads may start during that kernel's tail.
                 self.attention.append_and_run(
                     layer.q, layer.k_new, layer.v_new, layer.k_cache, layer.v_cache,
                     layer.k_scale, layer.v_scale, seq_lens, layer.out, cos_sin=layer.cos_sin,
-                    lse=layer.lse, stream=stream)
+                    lse=layer.lse, early_reads=self.early_reads and index > 0, stream=stream)
             self.attention.advance_lengths(seq_lens, capacity, stream=stream)
             return
         positions = self._arrays["positions"][:seq_lens.shape[0]]

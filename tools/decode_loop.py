@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fill the context with PromptQuantizer (default) or random bytes")
     parser.add_argument("--unfused", action="store_true",
                         help="append kernel + attention per layer (two launches)")
+    parser.add_argument("--no-early-reads", action="store_true",
+                        help="fused: every layer waits for the previous kernel before reading "
+                             "its lengths and cache (DecodeStep(early_reads=False))")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     return parser
@@ -107,7 +110,8 @@ class Loop:
         self.step = DecodeStep(args.layers, Hq, Hkv, D, max_batch=B, max_seq_len=self.capacity,
                                kv_layout=args.kv_layout, scale_mode=self.scale_mode,
                                scale_dtype=self.scale_dtype, rope=self.rope,
-                               fused=not args.unfused, device=device)
+                               fused=not args.unfused,
+                               early_reads=not args.no_early_reads, device=device)
         self.step.plan(self.host_lengths)
         self.fill_context()
         self.buffers = [LayerBuffers(cos_sin=self.table, **{name: a[name] for name in (

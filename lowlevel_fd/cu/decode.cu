@@ -52,8 +52,18 @@ decode_split(const __grid_constant__ DecodeParams p) {
   const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int head0 = kvh * GROUP;
-  wait_for_previous_grid();  // q, lengths and the cache may come from the previous kernel
-  allow_next_grid();
+  // Programmatic dependent launch: q (and the new token) may come from the previous kernel, so
+  // they are read after its completion; the next kernel may launch once this one gets there.
+  // With early_reads (fused append only) the lengths, the cache and its scales and the RoPE
+  // table are read before it (the caller guarantees the previous kernel writes none of them),
+  // so the first tiles stream while the previous kernel finishes. Every global write of this
+  // kernel comes after the wait.
+  const bool early = APPEND && p.early_reads != 0;
+  auto depend = [&]() __attribute__((always_inline)) {
+    wait_for_previous_grid();
+    allow_next_grid();
+  };
+  if (!early) depend();
   // Cluster merge, phase 1: a CTA may store into the leader's shared memory only once every
   // CTA of the cluster has started; arrive now, wait just before the stores.
   if constexpr (CLUSTER) cluster_arrive_relaxed();
@@ -81,10 +91,13 @@ decode_split(const __grid_constant__ DecodeParams p) {
   // read; its first rows are loaded here, before that read.
   __shared__ typename NewTokenState<APPEND, HEAD_DIM, GROUP>::type fresh;
   uint4 first_raw = make_uint4(0, 0, 0, 0);
-  if constexpr (APPEND)
+  auto load_first_row = [&]() __attribute__((always_inline)) {
     first_raw = load_new_row<HEAD_DIM, GROUP>(p, b, kvh, threadIdx.x / RowLanes<HEAD_DIM>::kLanes,
                                               threadIdx.x % RowLanes<HEAD_DIM>::kLanes);
-  else
+  };
+  if constexpr (APPEND) {
+    if (!early) load_first_row();
+  } else
     fetch_query(static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
                     head0 * p.q_head_stride,
                 p.q_head_stride);
@@ -97,14 +110,21 @@ decode_split(const __grid_constant__ DecodeParams p) {
     pos = p.seq_lens[b];
     if (p.rope != kRopeNone) rope_cs.start(p);  // while the position loads
     len = sequence_splits(p, pos, appended, chunk, active);
-    if (!appended) atomicOr(p.error_flags, 1u);  // nothing written; the host can read why
     if (p.rope != kRopeNone) rope_cs.load(p, pos, appended);  // lands during the prologue
   } else {
     len = clamped_length(p, b);
     split_range(len, p, chunk, active);
   }
 
+  // After the wait (early_reads): the error flag (nothing written; the host can read why).
+  auto flag_position = [&]() __attribute__((always_inline)) {
+    if constexpr (APPEND)
+      if (!appended) atomicOr(p.error_flags, 1u);
+  };
+  if (!early) flag_position();
+
   if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
+    if (early) depend(), flag_position();
     if (split == 0)
       for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
         const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
@@ -116,7 +136,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   }
   // A cluster's idle CTAs (split >= active) stay for the cluster barriers with empty ranges.
   const bool idle = split >= active;
-  if (!CLUSTER && idle) return;
+  if (!CLUSTER && idle) return;  // (exiting also lets the next kernel launch)
   // The last active split also takes the appended token (in its merge, not its stream).
   const bool has_new = appended && split == active - 1;
   const int start = idle ? 0 : split * chunk, end = idle ? 0 : min(len, start + chunk);
@@ -162,8 +182,16 @@ decode_split(const __grid_constant__ DecodeParams p) {
     cp_async_commit();  // empty groups keep the group count uniform
   }
   if constexpr (APPEND) {  // while the first tiles load: rotate, quantize, write the token
+    // The RoPE coefficients go to shared memory first: with early_reads this is still before
+    // the wait, so the table's latency (or the theta path's sin/cos) is off the chain.
+    if (p.rope != kRopeNone && appended) rope_cs.store(p, pos, fresh.cs);
+    if (early) {
+      depend();
+      flag_position();
+      load_first_row();
+    }
     stage_new_token<HEAD_DIM, GROUP, SCALE_MODE, QT, ScaleT, NUM_WARPS * 32>(
-        p, fresh, rope_cs, first_raw, b, kvh, pos, appended, has_new);
+        p, fresh, first_raw, b, kvh, pos, appended, has_new);
     fetch_query(&fresh.q[0][0], HEAD_DIM);
   }
   // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the

@@ -94,21 +94,18 @@ struct RopeCoefficients {
 
 // The whole CTA: rotate and stage the query group, quantize the new K and V rows (writing them
 // into the cache when `writer`), fill sh.k, sh.value and sh.k_dequant. `first_raw` is this
-// thread's row of the first pass, loaded before the length was known.
+// thread's row of the first pass; the caller has stored the RoPE coefficients into sh.cs
+// (RopeCoefficients::store) when `rotate_now`.
 template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS>
 __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
                                                 NewTokenShared<HEAD_DIM, GROUP>& sh,
-                                                RopeCoefficients<HEAD_DIM, THREADS>& coefficients,
                                                 uint4 first_raw, int b, int kvh, int pos,
                                                 bool rotate_now, bool writer) {
   constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;
   constexpr int kRows = GROUP + 2;
   const int lane = threadIdx.x % kLanes, slot = threadIdx.x / kLanes;
   const int rope = rotate_now ? p.rope : kRopeNone;
-  if (rope != kRopeNone) {
-    coefficients.store(p, pos, sh.cs);
-    __syncthreads();
-  }
+  if (rope != kRopeNone) __syncthreads();  // sh.cs is complete
   const int64_t cache_row = b * p.kv_batch_stride + kvh * p.kv_head_stride +
                             static_cast<int64_t>(pos) * p.kv_token_stride + 8 * lane;
   const int64_t scale_index = b * p.scale_batch_stride + kvh * p.scale_head_stride + pos;

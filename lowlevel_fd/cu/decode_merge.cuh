@@ -76,26 +76,47 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
 // reproducible.
 template <int HEAD_DIM, int GROUP>
 struct ClusterSlots {
-  static constexpr int kOutputs = GROUP * HEAD_DIM, kFloats = kOutputs + GROUP;
+  // A slot: the partial [GROUP][HEAD_DIM], then the GROUP LSEs padded to 4 floats, so every
+  // slot starts 16-byte aligned (the leader reads it as float4).
+  static constexpr int kOutputs = GROUP * HEAD_DIM, kFloats = kOutputs + (GROUP + 3) / 4 * 4;
 };
 
+constexpr int kMaxClusterSplits = 16;  // planner.MAX_CLUSTER (non-portable sm_90 limit)
+
+// Each thread merges 4 consecutive outputs of one row: the row's LSEs of every slot are loaded
+// at once, then the 4-float partials of every slot, so the shared-memory loads overlap instead
+// of forming one dependent chain per slot.
 template <int HEAD_DIM, int GROUP, typename QT>
 __device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
                              const float* slots) {
   using C = ClusterSlots<HEAD_DIM, GROUP>;
-  for (int idx = threadIdx.x; idx < C::kOutputs; idx += blockDim.x) {
-    const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
+  constexpr int kQuads = HEAD_DIM / 4;
+  for (int idx = threadIdx.x; idx < GROUP * kQuads; idx += blockDim.x) {
+    const int row = idx / kQuads, d = 4 * (idx % kQuads);
+    float lse[kMaxClusterSplits];
     float best = kNegInf;
-    for (int r = 0; r < active; ++r) best = fmaxf(best, slots[r * C::kFloats + C::kOutputs + row]);
-    float total = 0.f, acc = 0.f;
-    for (int r = 0; r < active; ++r) {
-      const float w = fast_exp2(slots[r * C::kFloats + C::kOutputs + row] - best);
-      total += w;
-      acc += w * slots[r * C::kFloats + idx];
+#pragma unroll
+    for (int r = 0; r < kMaxClusterSplits; ++r) {
+      lse[r] = r < active ? slots[r * C::kFloats + C::kOutputs + row] : kNegInf;
+      best = fmaxf(best, lse[r]);
     }
+    float total = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < kMaxClusterSplits; ++r) {
+      if (r < active) {
+        const float w = fast_exp2(lse[r] - best);
+        const float4 v = *reinterpret_cast<const float4*>(slots + r * C::kFloats + 4 * idx);
+        total += w;
+        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+      }
+    }
+    const float inv = 1.f / total;
     const int head = kvh * GROUP + row;
-    static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + head * p.out_head_stride + d] =
-        from_float<QT>(acc / total);
+    uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
+                    head * p.out_head_stride + d;
+    dst[0] = from_float<QT>(acc.x * inv); dst[1] = from_float<QT>(acc.y * inv);
+    dst[2] = from_float<QT>(acc.z * inv); dst[3] = from_float<QT>(acc.w * inv);
     if (p.lse != nullptr && d == 0)
       p.lse[b * p.num_kv_heads * GROUP + head] = (best + __log2f(total)) * kLn2;
   }

@@ -35,6 +35,8 @@ struct DecodeParams {
   int32_t rope;             //   of the new tokens; RopeStyle of their rotation
   float rope_theta;         //   inv_freq[i] = theta^(-2i/D) when cos_sin is null
   int32_t cluster_slots_offset;  // cluster merge: bytes into dynamic shared memory of the slots
+  int32_t early_reads;      //   1: read the lengths, cache, scales and RoPE table before the
+                            //   programmatic wait (the previous kernel writes none of them)
   const void* k_new;        //   the new tokens' K and V: [B, Hkv, D] like q
   const void* v_new;
   const float* cos_sin;     //   [max_pos >= capacity, D/2, 2] fp32, or null
@@ -42,7 +44,7 @@ struct DecodeParams {
   int64_t v_new_batch_stride, v_new_head_stride;  // elements
 };
 
-static_assert(sizeof(DecodeParams) == 264, "keep in sync with lowlevel_fd/decode/params.py");
+static_assert(sizeof(DecodeParams) == 272, "keep in sync with lowlevel_fd/decode/params.py");
 
 // How many splits sequence `len` uses and how many tokens each gets (a multiple of 16).
 // Computed on the device from the live length, so a captured graph stays right as lengths grow.

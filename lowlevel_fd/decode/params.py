@@ -18,7 +18,8 @@ class DecodeParams(ctypes.Structure):
                    ("capacity", ctypes.c_int32), ("fused_merge", ctypes.c_int32),
                    # the fused append (DecodePlan.append_and_run)
                    ("append", ctypes.c_int32), ("rope", ctypes.c_int32),
-                   ("rope_theta", ctypes.c_float), ("cluster_slots_offset", ctypes.c_int32)]
+                   ("rope_theta", ctypes.c_float), ("cluster_slots_offset", ctypes.c_int32),
+                   ("early_reads", ctypes.c_int32)]
                 + [(name, ctypes.c_uint64) for name in ("k_new", "v_new", "cos_sin")]
                 + [(name, ctypes.c_int64) for name in (
                     "k_new_batch_stride", "k_new_head_stride", "v_new_batch_stride",
@@ -28,4 +29,4 @@ class DecodeParams(ctypes.Structure):
 # RopeStyle in cu/decode_params.cuh: DecodeParams.rope and the append kernels' ROPE template.
 ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}
 
-assert ctypes.sizeof(DecodeParams) == 264, "must match sizeof(llfd::DecodeParams)"
+assert ctypes.sizeof(DecodeParams) == 272, "must match sizeof(llfd::DecodeParams)"

@@ -216,14 +216,15 @@ class DecodePlan:
         self._require_open()
         bind_arguments(self, self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
                        out, lse)
-        self._params.append = 0
+        self._params.append = self._params.early_reads = 0
         self._split.launch(stream)
         if self._combine is not None:
             self._combine.launch(stream)
 
     def append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
                        k_scale: Any, v_scale: Any, positions: Any, out: Any, *,
-                       cos_sin: Any = None, lse: Any = None, stream: StreamLike) -> None:
+                       cos_sin: Any = None, lse: Any = None, early_reads: bool = False,
+                       stream: StreamLike) -> None:
         """One launch that appends each sequence's new token and attends over the cache with it.
 
         For every b with 0 <= positions[b] < S_max: rotate k_new[b] and q[b] at position
@@ -235,12 +236,22 @@ class DecodePlan:
         ``positions`` is not advanced (``advance_lengths`` does that). k_new, v_new:
         ``[B, Hkv, D]`` like q; cos_sin: optional fp32 ``[max_pos >= S_max, D/2, 2]`` table
         (else the angles come from ``rope_theta``). Enqueued on ``stream``; returns at once.
+
+        ``early_reads`` (Hopper's programmatic launch): the kernel reads ``positions``, the
+        caches, their scales and ``cos_sin`` while the kernel before it on the stream is still
+        finishing, so its first cache tiles stream during that kernel's tail. Only q, k_new and
+        v_new wait for it, and every write does. Pass True only when that previous kernel writes
+        none of those buffers (DecodeStep: every layer after the first).
         """
+        if not isinstance(early_reads, bool):
+            raise TypeError(f"early_reads: expected a bool, got {type(early_reads).__name__} "
+                            f"{early_reads!r}")
         if self._split_append is None:
             raise RuntimeError("append_and_run: call plan(seq_lens, append=True) first")
         self._require_open()
         bind_append_arguments(self, self._params, q, k_new, v_new, k_cache, v_cache, k_scale,
                               v_scale, positions, out, lse, cos_sin)
+        self._params.early_reads = int(early_reads)
         self._split_append.launch(stream)
         if self._combine is not None:
             self._combine.launch(stream)

@@ -83,8 +83,9 @@ class DecodeVariant:
 
     def cluster_slots_bytes(self, num_splits: int) -> int:
         """The cluster merge's slots after the dynamic shared memory above (16-byte aligned):
-        one normalised partial [GROUP][D] and GROUP LSEs (fp32) per split."""
-        return num_splits * (self.group_size * self.head_dim + self.group_size) * 4
+        one normalised partial [GROUP][D] and GROUP LSEs padded to 4 (fp32) per split."""
+        lses = -(-self.group_size // 4) * 4
+        return num_splits * (self.group_size * self.head_dim + lses) * 4
 
     def launch_shared_bytes(self, num_splits: int) -> tuple[int, int]:
         """(dynamic shared memory of a launch, offset of the cluster slots in it)."""
