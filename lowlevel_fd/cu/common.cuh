@@ -211,20 +211,12 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return rank;
 }
 
-// The cluster barrier in two halves, for a barrier some CTAs only arrive at: arrive (release:
-// orders this thread's earlier shared-memory writes, remote ones included, before the arrival)
-// and wait (acquire). A CTA may arrive and exit; wait only waits for threads that have not
-// exited.
-__device__ __forceinline__ void cluster_arrive_relaxed() {  // no memory ordering
+// The cluster barrier in two halves, for a barrier some CTAs only arrive at: arrive (relaxed:
+// no memory ordering) and wait (acquire). A CTA may arrive and exit; wait only waits for
+// threads that have not exited.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void cluster_arrive() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 #else
   __trap();
 #endif
@@ -237,7 +229,7 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-// The DSMEM address of `local`'s counterpart in CTA `rank`'s shared memory, and a store there.
+// The DSMEM address of `local`'s counterpart in CTA `rank`'s shared memory.
 __device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t rank) {
   uint32_t remote = 0;
 #if __CUDA_ARCH__ >= 900
@@ -246,9 +238,60 @@ __device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t 
 #endif
   return remote;
 }
-__device__ __forceinline__ void store_cluster_float(uint32_t remote, float value) {
+
+// An mbarrier that other CTAs of the cluster complete with st.async: init (then the cluster
+// barrier publishes it), the owner's arrival with the bytes to expect, and the wait. The
+// stores complete their bytes on the barrier with release semantics at cluster scope, so the
+// acquiring wait makes them visible; no fence, no second cluster barrier.
+__device__ __forceinline__ void mbarrier_init_for_cluster(uint64_t* barrier, uint32_t arrivals) {
 #if __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(value) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n\t"
+               "fence.mbarrier_init.release.cluster;"
+               :: "r"(shared_address(barrier)), "r"(arrivals) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  uint64_t state;
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+               : "=l"(state) : "r"(shared_address(barrier)), "r"(bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* barrier, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+  uint32_t done;
+  do {
+    asm volatile("{\n\t.reg .pred ready;\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, ready;\n\t}"
+                 : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory");
+  } while (!done);
+#else
+  __trap();
+#endif
+}
+// Store into a cluster CTA's shared memory (`remote`, from cluster_address) and complete the
+// bytes on its mbarrier `remote_barrier`.
+__device__ __forceinline__ void store_cluster_async(uint32_t remote, float4 value,
+                                                    uint32_t remote_barrier) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
+               "{%1, %2, %3, %4}, [%5];"
+               :: "r"(remote), "f"(value.x), "f"(value.y), "f"(value.z), "f"(value.w),
+                  "r"(remote_barrier) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void store_cluster_async(uint32_t remote, float value,
+                                                    uint32_t remote_barrier) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(remote), "f"(value), "r"(remote_barrier) : "memory");
 #else
   __trap();
 #endif

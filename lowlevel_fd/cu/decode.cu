@@ -65,8 +65,13 @@ decode_split(const __grid_constant__ DecodeParams p) {
   };
   if (!early) depend();
   // Cluster merge, phase 1: a CTA may store into the leader's shared memory only once every
-  // CTA of the cluster has started; arrive now, wait just before the stores.
-  if constexpr (CLUSTER) cluster_arrive_relaxed();
+  // CTA of the cluster has started (and the leader has set up the barrier its slots complete);
+  // arrive now, wait just before the stores.
+  __shared__ __align__(8) uint64_t merge_barrier;
+  if constexpr (CLUSTER) {
+    if (split == 0 && threadIdx.x == 0) mbarrier_init_for_cluster(&merge_barrier, 1);
+    cluster_arrive_relaxed();
+  }
 
   // ---- load: the query group first: its latency overlaps the length read below ----
   // head_dim 256 keeps the Q fragments in shared memory (8 bytes per lane and k-step,
@@ -134,12 +139,12 @@ decode_split(const __grid_constant__ DecodeParams p) {
       }
     return;
   }
-  // A cluster's idle CTAs (split >= active) stay for the cluster barriers with empty ranges.
-  const bool idle = split >= active;
-  if (!CLUSTER && idle) return;  // (exiting also lets the next kernel launch)
+  // Splits past the sequence's (idle CTAs) have nothing to do; exiting also lets the next
+  // kernel launch, and a cluster's leader waits only for the active CTAs' slots.
+  if (split >= active) return;
   // The last active split also takes the appended token (in its merge, not its stream).
   const bool has_new = appended && split == active - 1;
-  const int start = idle ? 0 : split * chunk, end = idle ? 0 : min(len, start + chunk);
+  const int start = split * chunk, end = min(len, start + chunk);
 
   float k_const = p.score_scale_log2, v_const = 1.f;
   if constexpr (SCALE_MODE == kScalePerTensor) {
@@ -352,79 +357,122 @@ decode_split(const __grid_constant__ DecodeParams p) {
   cp_async_wait<0>();
   __syncthreads();  // the merge below reuses the pipelines' shared memory
 
-  // ---- merge the warps of this CTA ----
+  // ---- merge the warps of this CTA, on accumulator quads (decode_merge.cuh) ----
+  // Every warp stores its accumulators as its lanes hold them (16-byte stores, no bank
+  // conflicts); each thread then merges one quad position over the warps.
+  using Q = Quads<HEAD_DIM, GROUP>;
+  float4* const warp_quads = reinterpret_cast<float4*>(smem);
 #pragma unroll
-  for (int hb = 0; hb < kBlocks; ++hb)
+  for (int hb = 0; hb < kBlocks; ++hb) {
 #pragma unroll
     for (int col = 0; col < 2; ++col) {
       const float total = warp_sum_xor_from(col_sum[hb][col], 4, 16);
       const int head = 8 * hb + 2 * c + col;
-      if (head >= GROUP) continue;
-      if (g == 0) { warp_max[warp][head] = col_max[hb][col]; warp_sum[warp][head] = total; }
-      float* dst = smem + (warp * GROUP + head) * HEAD_DIM + G::kVBytes * g;
-#pragma unroll
-      for (int mb = 0; mb < G::kMBlocks; ++mb) {
-        const int d = 4 * (mb / 2) + 2 * (mb % 2);
-        dst[d] = acc[hb][mb][col] * v_ref;
-        dst[d + 1] = acc[hb][mb][2 + col] * v_ref;
-      }
+      if (g == 0 && head < GROUP) { warp_max[warp][head] = col_max[hb][col]; warp_sum[warp][head] = total; }
     }
+#pragma unroll
+    for (int mb = 0; mb < G::kMBlocks; ++mb)
+      warp_quads[warp * Q::kPerWarp + (hb * G::kMBlocks + mb) * 32 + lane] =
+          make_float4(acc[hb][mb][0] * v_ref, acc[hb][mb][1] * v_ref, acc[hb][mb][2] * v_ref,
+                      acc[hb][mb][3] * v_ref);
+  }
   if constexpr (APPEND)
     if (has_new) new_token_scores<HEAD_DIM, GROUP, QT, NUM_WARPS>(p, fresh, warp, lane);
   __syncthreads();
 
   const bool single = active == 1;
   const int64_t part = ((static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits + split);
-  // Cluster merge: this CTA's slot in the leader's shared memory (decode_merge.cuh).
-  using Slots = ClusterSlots<HEAD_DIM, GROUP>;
+  // Cluster merge: this CTA's slot in the leader's shared memory and the leader's barrier.
   float* const slots =
       reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.cluster_slots_offset);
-  const uint32_t my_slot = CLUSTER ? cluster_address(slots + split * Slots::kFloats, 0) : 0u;
-  if constexpr (CLUSTER) cluster_wait();  // phase 1 complete: the leader has started
-  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
-    const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
-    // The appended token is one more partial: sum 1, its score, its V.
-    float fresh_score = kNegInf;
-    if constexpr (APPEND)
-      if (has_new) fresh_score = fresh.score[row];
-    float best = fresh_score;
+  uint32_t my_slot = 0, leader_barrier = 0;
+  if constexpr (CLUSTER) {
+    my_slot = cluster_address(slots + split * Q::kSlotFloats, 0);
+    leader_barrier = cluster_address(&merge_barrier, 0);
+    cluster_wait();  // phase 1 complete: the leader has started and set up its barrier
+  }
+  for (int idx = threadIdx.x; idx < Q::kCompact; idx += blockDim.x) {
+    const Q quad(idx);
+    float best[2], total[2];
+    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Weights of the warps per head of the quad; the appended token is one more partial
+    // (sum 1, its score, its V).
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) best = fmaxf(best, warp_max[w][row]);
-    float total = 0.f, value = 0.f;
+    for (int col = 0; col < Q::kHeads; ++col) {
+      const int head = quad.head0 + col;
+      float fresh_score = kNegInf;
+      if constexpr (APPEND)
+        if (has_new) fresh_score = fresh.score[head];
+      best[col] = fresh_score;
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) best[col] = fmaxf(best[col], warp_max[w][head]);
+      total[col] = 0.f;
+    }
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
-      const float weight = fast_exp2(warp_max[w][row] - best);
-      total += warp_sum[w][row] * weight;
-      value += smem[(w * GROUP + row) * HEAD_DIM + d] * weight;
+      float weight[2] = {0.f, 0.f};
+#pragma unroll
+      for (int col = 0; col < Q::kHeads; ++col) {
+        const int head = quad.head0 + col;
+        weight[col] = fast_exp2(warp_max[w][head] - best[col]);
+        total[col] += warp_sum[w][head] * weight[col];
+      }
+      const float4 v = warp_quads[w * Q::kPerWarp + quad.stored()];
+      value.x += v.x * weight[0]; value.y += v.y * weight[1];
+      value.z += v.z * weight[0]; value.w += v.w * weight[1];
     }
     if constexpr (APPEND)
       if (has_new) {
-        const float weight = fast_exp2(fresh_score - best);
-        total += weight;
-        value += fresh.value[d] * weight;
+        float weight[2] = {0.f, 0.f};
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col) {
+          weight[col] = fast_exp2(fresh.score[quad.head0 + col] - best[col]);
+          total[col] += weight[col];
+        }
+        const float v0 = fresh.value[quad.d], v1 = fresh.value[quad.d + 1];
+        value.x += v0 * weight[0]; value.y += v0 * weight[1];
+        value.z += v1 * weight[0]; value.w += v1 * weight[1];
       }
     // Per-tensor and per-head V scales multiply the output once instead of every element.
-    value = idle ? 0.f : value * v_const / total;
-    const float lse2 = idle ? kNegInf : best + __log2f(total);
-    if (CLUSTER) {
-      if (!idle) {
-        store_cluster_float(my_slot + 4 * idx, value);
-        if (d == 0) store_cluster_float(my_slot + 4 * (Slots::kOutputs + row), lse2);
-      }
+    float lse2[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int col = 0; col < Q::kHeads; ++col) {
+      const float inv = v_const / total[col];
+      if (col == 0) value.x *= inv, value.z *= inv;
+      else value.y *= inv, value.w *= inv;
+      lse2[col] = best[col] + __log2f(total[col]);
+    }
+    const bool lse_writer = quad.g == 0 && quad.mb == 0;  // one quad per head pair
+    if constexpr (CLUSTER) {
+      store_cluster_async(my_slot + 16 * idx, value, leader_barrier);
+      if (lse_writer)
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col)
+          store_cluster_async(my_slot + 4 * (Q::kSlotLse + quad.head0 + col), lse2[col],
+                              leader_barrier);
     } else if (single) {
-      static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
-                                    d] = from_float<QT>(value);
-      if (p.lse != nullptr && d == 0)
-        p.lse[b * p.num_kv_heads * GROUP + head0 + row] = lse2 * kLn2;
+      quad.template store_output<QT>(p, b, kvh, value);
+      if (p.lse != nullptr && lse_writer)
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col)
+          p.lse[b * p.num_kv_heads * GROUP + head0 + quad.head0 + col] = lse2[col] * kLn2;
     } else {
-      p.partial_out[(part * GROUP + row) * HEAD_DIM + d] = value;
-      if (d == 0) p.partial_lse[part * GROUP + row] = lse2;
+      float* dst = p.partial_out + part * GROUP * HEAD_DIM + quad.d;
+      *reinterpret_cast<float2*>(dst + quad.head0 * HEAD_DIM) = make_float2(value.x, value.z);
+      if (Q::kHeads == 2)
+        *reinterpret_cast<float2*>(dst + (quad.head0 + 1) * HEAD_DIM) =
+            make_float2(value.y, value.w);
+      if (lse_writer)
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col)
+          p.partial_lse[part * GROUP + quad.head0 + col] = lse2[col];
     }
   }
   if constexpr (CLUSTER) {
-    cluster_arrive();  // phase 2, after this thread's slot stores (release)
+    // Only the leader waits: for every active CTA's slot bytes (its own included) to land.
     if (split != 0) return;
-    cluster_wait();  // every CTA's slot has landed (acquire)
+    if (threadIdx.x == 0) mbarrier_expect_bytes(&merge_barrier, active * Q::kSlotBytes);
+    mbarrier_wait_cluster(&merge_barrier, 0);
     leader_merge<HEAD_DIM, GROUP, QT>(p, b, kvh, active, slots);
     return;
   }

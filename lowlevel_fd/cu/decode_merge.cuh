@@ -66,59 +66,97 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
   }
 }
 
-// The cluster merge of one (batch, kv head), push model: every active CTA of the cluster has
-// stored its normalised partial [GROUP][HEAD_DIM] and base-2 LSEs [GROUP] into slot `rank` of
-// the leader's (rank 0) `slots` through DSMEM and arrived at the cluster barrier; the leader
-// waits for the arrivals and merges the slots from its own shared memory. The other CTAs exit
-// right after arriving: only the leader waits, and nobody loads remotely. (A first barrier
-// phase, arrived at on entry and waited on before the stores, makes sure the leader has
-// started: DSMEM may only be accessed in a CTA that is running.) Fixed order over ranks:
-// reproducible.
+// The CTA and cluster merges work on accumulator quads, as the warps hold them (decode.cu):
+// quad (hb, mb, lane 4g + c) is acc[hb][mb] of that lane, i.e. heads 8hb + 2c (x, z) and
+// 8hb + 2c + 1 (y, w) at dims d (x, y) and d + 1 (z, w), d = (D/8) g + 4 (mb/2) + 2 (mb%2).
+// A warp stores all kPerWarp of its quads; the merges visit the kCompact ones whose heads
+// exist (lanes c < kPairs), numbered c fastest, then g, mb, hb.
 template <int HEAD_DIM, int GROUP>
-struct ClusterSlots {
-  // A slot: the partial [GROUP][HEAD_DIM], then the GROUP LSEs padded to 4 floats, so every
-  // slot starts 16-byte aligned (the leader reads it as float4).
-  static constexpr int kOutputs = GROUP * HEAD_DIM, kFloats = kOutputs + (GROUP + 3) / 4 * 4;
+struct Quads {
+  static constexpr int kBlocks = GROUP > 8 ? 2 : 1, kMBlocks = HEAD_DIM / 16;
+  static constexpr int kPairs = GROUP >= 8 ? 4 : (GROUP + 1) / 2;  // lanes c with a head
+  static constexpr int kHeads = GROUP > 1 ? 2 : 1;                  // heads per quad
+  static constexpr int kPerWarp = kBlocks * kMBlocks * 32;
+  static constexpr int kCompact = kBlocks * kMBlocks * 8 * kPairs;
+  // A cluster slot: the compact quads (fp32), then the GROUP LSEs padded to 4 floats, so
+  // every slot starts 16-byte aligned; kSlotBytes of it are stored per CTA.
+  static constexpr int kSlotLse = 4 * kCompact;
+  static constexpr int kSlotFloats = kSlotLse + (GROUP + 3) / 4 * 4;
+  static constexpr int kSlotBytes = 4 * (kSlotLse + GROUP);
+
+  int hb, mb, g, c, head0, d;
+  __device__ __forceinline__ explicit Quads(int idx)
+      : hb(idx / (8 * kPairs * kMBlocks)), mb(idx / (8 * kPairs) % kMBlocks),
+        g(idx / kPairs % 8), c(idx % kPairs), head0(8 * hb + 2 * c),
+        d(HEAD_DIM / 8 * g + 4 * (mb / 2) + 2 * (mb % 2)) {}
+  // This quad's index among a warp's stored quads.
+  __device__ __forceinline__ int stored() const { return (hb * kMBlocks + mb) * 32 + 4 * g + c; }
+
+  // out[b, kvh * GROUP + head, d and d + 1] for the quad's heads.
+  template <typename QT>
+  __device__ __forceinline__ void store_output(const DecodeParams& p, int b, int kvh,
+                                               float4 value) const {
+    uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
+                    (kvh * GROUP + head0) * p.out_head_stride + d;
+    dst[0] = from_float<QT>(value.x);
+    dst[1] = from_float<QT>(value.z);
+    if (kHeads == 2) {
+      dst[p.out_head_stride] = from_float<QT>(value.y);
+      dst[p.out_head_stride + 1] = from_float<QT>(value.w);
+    }
+  }
 };
 
 constexpr int kMaxClusterSplits = 16;  // planner.MAX_CLUSTER (non-portable sm_90 limit)
 
-// Each thread merges 4 consecutive outputs of one row: the row's LSEs of every slot are loaded
-// at once, then the 4-float partials of every slot, so the shared-memory loads overlap instead
-// of forming one dependent chain per slot.
+// The cluster merge of one (batch, kv head), push model: every active CTA of the cluster has
+// stored its normalised partial (compact quads) and base-2 LSEs into slot `rank` of the
+// leader's (rank 0) `slots` with st.async, completing bytes on the leader's mbarrier, and the
+// leader has waited for all of them. Each thread merges quads: the LSEs of every slot are
+// loaded at once, then the quads, so the shared-memory loads overlap. Fixed order over ranks:
+// reproducible.
 template <int HEAD_DIM, int GROUP, typename QT>
 __device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
                              const float* slots) {
-  using C = ClusterSlots<HEAD_DIM, GROUP>;
-  constexpr int kQuads = HEAD_DIM / 4;
-  for (int idx = threadIdx.x; idx < GROUP * kQuads; idx += blockDim.x) {
-    const int row = idx / kQuads, d = 4 * (idx % kQuads);
-    float lse[kMaxClusterSplits];
-    float best = kNegInf;
+  using Q = Quads<HEAD_DIM, GROUP>;
+  for (int idx = threadIdx.x; idx < Q::kCompact; idx += blockDim.x) {
+    const Q quad(idx);
+    float lse[Q::kHeads][kMaxClusterSplits], best[Q::kHeads], total[Q::kHeads];
 #pragma unroll
-    for (int r = 0; r < kMaxClusterSplits; ++r) {
-      lse[r] = r < active ? slots[r * C::kFloats + C::kOutputs + row] : kNegInf;
-      best = fmaxf(best, lse[r]);
+    for (int col = 0; col < Q::kHeads; ++col) {
+      best[col] = kNegInf;
+      total[col] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterSplits; ++r) {
+        lse[col][r] = r < active ? slots[r * Q::kSlotFloats + Q::kSlotLse + quad.head0 + col]
+                                 : kNegInf;
+        best[col] = fmaxf(best[col], lse[col][r]);
+      }
     }
-    float total = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < kMaxClusterSplits; ++r) {
       if (r < active) {
-        const float w = fast_exp2(lse[r] - best);
-        const float4 v = *reinterpret_cast<const float4*>(slots + r * C::kFloats + 4 * idx);
-        total += w;
-        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+        float w[2] = {0.f, 0.f};
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col) {
+          w[col] = fast_exp2(lse[col][r] - best[col]);
+          total[col] += w[col];
+        }
+        const float4 v = *reinterpret_cast<const float4*>(slots + r * Q::kSlotFloats + 4 * idx);
+        acc.x += w[0] * v.x; acc.y += w[1] * v.y; acc.z += w[0] * v.z; acc.w += w[1] * v.w;
       }
     }
-    const float inv = 1.f / total;
-    const int head = kvh * GROUP + row;
-    uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
-                    head * p.out_head_stride + d;
-    dst[0] = from_float<QT>(acc.x * inv); dst[1] = from_float<QT>(acc.y * inv);
-    dst[2] = from_float<QT>(acc.z * inv); dst[3] = from_float<QT>(acc.w * inv);
-    if (p.lse != nullptr && d == 0)
-      p.lse[b * p.num_kv_heads * GROUP + head] = (best + __log2f(total)) * kLn2;
+    float inv[2] = {0.f, 0.f};
+#pragma unroll
+    for (int col = 0; col < Q::kHeads; ++col) inv[col] = 1.f / total[col];
+    quad.template store_output<QT>(
+        p, b, kvh, make_float4(acc.x * inv[0], acc.y * inv[1], acc.z * inv[0], acc.w * inv[1]));
+    if (p.lse != nullptr && quad.g == 0 && quad.mb == 0)
+#pragma unroll
+      for (int col = 0; col < Q::kHeads; ++col)
+        p.lse[b * p.num_kv_heads * GROUP + kvh * GROUP + quad.head0 + col] =
+            (best[col] + __log2f(total[col])) * kLn2;
   }
 }
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..compiler import CompiledProgram, CompileOptions, compile_cached
-from .planner import TWO_TILE_HEAD_DIMS
+from .planner import MAX_SPLITS, TWO_TILE_HEAD_DIMS
 
 SOURCE = "decode.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -73,19 +73,25 @@ class DecodeVariant:
         return 32 * self.num_warps
 
     @property
+    def _head_blocks(self) -> int:
+        return 2 if self.group_size > 8 else 1
+
+    @property
     def dynamic_shared_bytes(self) -> int:
-        """The warps' pipelines, later reused for their partial outputs (fp32)."""
+        """The warps' pipelines, later reused for their accumulators: every lane's float4 per
+        (head block, m-block) (cu/decode_merge.cuh Quads::kPerWarp), or for the global merge's
+        weights ((MAX_SPLITS + 2) x GROUP floats)."""
         pipelines = self.num_warps * self.stages * self.stage_bytes
-        outputs = self.group_size * self.head_dim
-        # The warps' partials, plus one partial and its LSEs (the global merge's scratch fits).
-        merge = (self.num_warps * outputs + outputs + self.group_size) * 4
-        return max(pipelines, merge)
+        quads = self.num_warps * self._head_blocks * (self.head_dim // 16) * 32 * 16
+        return max(pipelines, quads, (MAX_SPLITS + 2) * self.group_size * 4)
 
     def cluster_slots_bytes(self, num_splits: int) -> int:
         """The cluster merge's slots after the dynamic shared memory above (16-byte aligned):
-        one normalised partial [GROUP][D] and GROUP LSEs padded to 4 (fp32) per split."""
-        lses = -(-self.group_size // 4) * 4
-        return num_splits * (self.group_size * self.head_dim + lses) * 4
+        per split, the accumulator quads whose heads exist and GROUP LSEs padded to 4 (fp32)
+        (Quads::kSlotFloats)."""
+        pairs = 4 if self.group_size >= 8 else (self.group_size + 1) // 2
+        compact = self._head_blocks * (self.head_dim // 16) * 8 * pairs
+        return num_splits * (4 * compact + -(-self.group_size // 4) * 4) * 4
 
     def launch_shared_bytes(self, num_splits: int) -> tuple[int, int]:
         """(dynamic shared memory of a launch, offset of the cluster slots in it)."""
