@@ -136,6 +136,13 @@ def test_append_and_run_and_advance_need_a_plan():
         plan.advance_lengths(None, 1, stream=None)
 
 
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_early_reads_must_be_a_bool(value):
+    plan = make_plan()
+    with pytest.raises(TypeError, match=r"^early_reads: expected a bool"):
+        plan.append_and_run(*([None] * 9), early_reads=value, stream=None)
+
+
 def test_plan_append_must_be_a_bool():
     with pytest.raises(TypeError, match=r"^append: expected a bool, got int 1"):
         make_plan().plan([5], append=1)

@@ -211,10 +211,11 @@ def test_describe_counts_two_launches_per_layer_and_one_copy_per_step_unfused():
     assert single.describe()["nodes_per_step"] == 3  # one layer needs no position copy
 
 
-@pytest.mark.parametrize("fused", [1, "yes", None])
-def test_fused_must_be_a_bool(fused):
-    with pytest.raises(TypeError, match=r"^fused: expected a bool"):
-        make_step(fused=fused)
+@pytest.mark.parametrize("option", ["fused", "early_reads"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_flags_must_be_bools(option, value):
+    with pytest.raises(TypeError, match=rf"^{option}: expected a bool"):
+        make_step(**{option: value})
 
 
 def test_fused_step_needs_one_capacity_in_every_layer():
@@ -293,3 +294,17 @@ def test_fused_layers_all_read_the_step_positions_then_one_advance(monkeypatch, 
     step._issue(buffers, SEQ_LENS, CAPACITY, stream=None)
     assert log == [("layer", SEQ_LENS.ptr, b.out.ptr) for b in buffers] + [
         ("advance", SEQ_LENS.ptr, CAPACITY)]
+
+
+@pytest.mark.parametrize("early_reads", [True, False])
+def test_only_layers_after_the_first_read_early(monkeypatch, early_reads):
+    # Layer 0 may follow the kernel that advanced the lengths (the previous step's), so it
+    # waits for it before reading them; layer i > 0 follows layer i - 1, which writes neither
+    # the lengths nor layer i's cache.
+    step = planned(num_layers=3, early_reads=early_reads)
+    flags = []
+    monkeypatch.setattr(step.attention, "append_and_run",
+                        lambda *a, early_reads, **kw: flags.append(early_reads))
+    monkeypatch.setattr(step.attention, "advance_lengths", lambda *a, **kw: None)
+    step._issue([LayerBuffers(**layer()) for _ in range(3)], SEQ_LENS, CAPACITY, stream=None)
+    assert flags == [False, early_reads, early_reads]

@@ -31,7 +31,8 @@ class Model:
     """Host initial state and device buffers of LAYERS layers, and per-step random inputs."""
 
     def __init__(self, rng, kv_layout, scale_mode, scale_dtype, rope, table, *,
-                 lengths=LENGTHS, capacity=CAPACITY, layers=LAYERS, steps=STEPS, fused=True):
+                 lengths=LENGTHS, capacity=CAPACITY, layers=LAYERS, steps=STEPS, fused=True,
+                 early_reads=True):
         self.kv_layout, self.scale_mode, self.scale_dtype = kv_layout, scale_mode, scale_dtype
         self.rope, batch = rope, len(lengths)
         shape = ((batch, HKV, capacity, D) if kv_layout == "bnsh"
@@ -66,7 +67,7 @@ class Model:
         self.step = DecodeStep(layers, HQ, HKV, D, max_batch=batch, max_seq_len=capacity,
                                kv_layout=kv_layout, scale_mode=scale_mode,
                                scale_dtype=scale_dtype, rope=rope,
-                               fused=fused).plan(self.lengths)
+                               fused=fused, early_reads=early_reads).plan(self.lengths)
         self.fused = fused
 
     def restore(self, stream):
@@ -146,6 +147,31 @@ def test_graph_replay_equals_eager_bitwise_and_the_oracle(rng, stream, kv_layout
         np.testing.assert_allclose(got["k_scale"], m["k_scale"], rtol=1e-3 if rope else 0)
     graph.close()
     model.step.close()
+
+
+@pytest.mark.parametrize("kv_layout, scale_mode, scale_dtype, rope, table", CONFIGS[:2])
+def test_early_reads_change_no_bit(stream, kv_layout, scale_mode, scale_dtype, rope, table):
+    # Layers > 0 start reading their lengths and caches while the previous layer's kernel
+    # finishes (programmatic launch); the results must be those of waiting first.
+    results = []
+    for early_reads in (False, True):
+        model = Model(np.random.default_rng(7), kv_layout, scale_mode, scale_dtype, rope, table,
+                      early_reads=early_reads)
+        graph = model.step.capture(model.buffers, model.seq_lens, stream)
+        results.append(model.run(lambda: graph.launch(stream), stream)
+                       + model.run(model.eager(stream), stream))
+        graph.close()
+        model.step.close()
+    (waited, waited_final, waited_lens, *waited_eager), (early, early_final, early_lens,
+                                                         *early_eager) = results
+    for by_wait, by_early in ((waited, early), (waited_eager[0], early_eager[0])):
+        for step, (a, b) in enumerate(zip(by_wait, by_early)):
+            for layer, ((out, _), (e_out, _)) in enumerate(zip(a, b)):
+                assert np.array_equal(out.view(np.uint16), e_out.view(np.uint16)), (step, layer)
+    for a, b in zip(waited_final, early_final):
+        for name in CACHES:
+            assert np.array_equal(a[name].view(np.uint8), b[name].view(np.uint8)), name
+    assert waited_lens.tolist() == early_lens.tolist()
 
 
 def test_the_fused_graph_has_one_kernel_per_layer_and_one_advance(rng, stream):
