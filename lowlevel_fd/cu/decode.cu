@@ -391,65 +391,81 @@ decode_split(const __grid_constant__ DecodeParams p) {
     leader_barrier = cluster_address(&merge_barrier, 0);
     cluster_wait();  // phase 1 complete: the leader has started and set up its barrier
   }
-  // One thread per head: the warps' weights (and the appended token's: one more partial with
-  // sum 1, its score and its V), normalised, with the per-tensor/per-head V scale folded in,
-  // and the split's base-2 LSE. Then every thread merges quads with them.
-  __shared__ float cta_weight[NUM_WARPS + 1][16];
-  if (threadIdx.x < GROUP) {
-    const int head = threadIdx.x;
-    float fresh_score = kNegInf;
-    if constexpr (APPEND)
-      if (has_new) fresh_score = fresh.score[head];
-    float best = fresh_score;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) best = fmaxf(best, warp_max[w][head]);
-    float weight[NUM_WARPS + 1], total = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      weight[w] = fast_exp2(warp_max[w][head] - best);
-      total += warp_sum[w][head] * weight[w];
-    }
-    weight[NUM_WARPS] = APPEND && has_new ? fast_exp2(fresh_score - best) : 0.f;
-    total += weight[NUM_WARPS];
-    const float scale = v_const / total;
-#pragma unroll
-    for (int w = 0; w <= NUM_WARPS; ++w) cta_weight[w][head] = weight[w] * scale;
-    const float lse2 = best + __log2f(total);
-    if constexpr (CLUSTER)
-      store_cluster_async(my_slot + 4 * (Q::kSlotLse + head), lse2, leader_barrier);
-    else if (single) {
-      if (p.lse != nullptr) p.lse[b * p.num_kv_heads * GROUP + head0 + head] = lse2 * kLn2;
-    } else {
-      p.partial_lse[part * GROUP + head] = lse2;
-    }
-  }
-  __syncthreads();
   for (int idx = threadIdx.x; idx < Q::kCompact; idx += blockDim.x) {
     const Q quad(idx);
-    const int h1 = Q::kHeads == 2 ? quad.head0 + 1 : quad.head0;
+    float best[2], total[2];
     float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Weights of the warps per head of the quad; the appended token is one more partial
+    // (sum 1, its score, its V).
+#pragma unroll
+    for (int col = 0; col < Q::kHeads; ++col) {
+      const int head = quad.head0 + col;
+      float fresh_score = kNegInf;
+      if constexpr (APPEND)
+        if (has_new) fresh_score = fresh.score[head];
+      best[col] = fresh_score;
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) best[col] = fmaxf(best[col], warp_max[w][head]);
+      total[col] = 0.f;
+    }
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
+      float weight[2] = {0.f, 0.f};
+#pragma unroll
+      for (int col = 0; col < Q::kHeads; ++col) {
+        const int head = quad.head0 + col;
+        weight[col] = fast_exp2(warp_max[w][head] - best[col]);
+        total[col] += warp_sum[w][head] * weight[col];
+      }
       const float4 v = warp_quads[w * Q::kPerWarp + quad.stored()];
-      const float w0 = cta_weight[w][quad.head0], w1 = cta_weight[w][h1];
-      value.x += v.x * w0; value.y += v.y * w1; value.z += v.z * w0; value.w += v.w * w1;
+      value.x += v.x * weight[0]; value.y += v.y * weight[1];
+      value.z += v.z * weight[0]; value.w += v.w * weight[1];
     }
     if constexpr (APPEND)
       if (has_new) {
-        const float w0 = cta_weight[NUM_WARPS][quad.head0], w1 = cta_weight[NUM_WARPS][h1];
+        float weight[2] = {0.f, 0.f};
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col) {
+          weight[col] = fast_exp2(fresh.score[quad.head0 + col] - best[col]);
+          total[col] += weight[col];
+        }
         const float v0 = fresh.value[quad.d], v1 = fresh.value[quad.d + 1];
-        value.x += v0 * w0; value.y += v0 * w1; value.z += v1 * w0; value.w += v1 * w1;
+        value.x += v0 * weight[0]; value.y += v0 * weight[1];
+        value.z += v1 * weight[0]; value.w += v1 * weight[1];
       }
+    // Per-tensor and per-head V scales multiply the output once instead of every element.
+    float lse2[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int col = 0; col < Q::kHeads; ++col) {
+      const float inv = v_const / total[col];
+      if (col == 0) value.x *= inv, value.z *= inv;
+      else value.y *= inv, value.w *= inv;
+      lse2[col] = best[col] + __log2f(total[col]);
+    }
+    const bool lse_writer = quad.g == 0 && quad.mb == 0;  // one quad per head pair
     if constexpr (CLUSTER) {
       store_cluster_async(my_slot + 16 * idx, value, leader_barrier);
+      if (lse_writer)
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col)
+          store_cluster_async(my_slot + 4 * (Q::kSlotLse + quad.head0 + col), lse2[col],
+                              leader_barrier);
     } else if (single) {
       quad.template store_output<QT>(p, b, kvh, value);
+      if (p.lse != nullptr && lse_writer)
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col)
+          p.lse[b * p.num_kv_heads * GROUP + head0 + quad.head0 + col] = lse2[col] * kLn2;
     } else {
       float* dst = p.partial_out + part * GROUP * HEAD_DIM + quad.d;
       *reinterpret_cast<float2*>(dst + quad.head0 * HEAD_DIM) = make_float2(value.x, value.z);
       if (Q::kHeads == 2)
         *reinterpret_cast<float2*>(dst + (quad.head0 + 1) * HEAD_DIM) =
             make_float2(value.y, value.w);
+      if (lse_writer)
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col)
+          p.partial_lse[part * GROUP + quad.head0 + col] = lse2[col];
     }
   }
   if constexpr (CLUSTER) {

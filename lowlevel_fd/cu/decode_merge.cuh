@@ -112,48 +112,51 @@ constexpr int kMaxClusterSplits = 16;  // planner.MAX_CLUSTER (non-portable sm_9
 // The cluster merge of one (batch, kv head), push model: every active CTA of the cluster has
 // stored its normalised partial (compact quads) and base-2 LSEs into slot `rank` of the
 // leader's (rank 0) `slots` with st.async, completing bytes on the leader's mbarrier, and the
-// leader has waited for all of them. One thread per head turns the slots' LSEs into
-// normalised weights (and writes the LSE output); then every thread merges quads, with the
-// slot loads in flight together. Fixed order over ranks: reproducible.
+// leader has waited for all of them. Each thread merges quads: the LSEs of every slot are
+// loaded at once, then the quads, so the shared-memory loads overlap. Fixed order over ranks:
+// reproducible.
 template <int HEAD_DIM, int GROUP, typename QT>
 __device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
                              const float* slots) {
   using Q = Quads<HEAD_DIM, GROUP>;
-  __shared__ float slot_weight[kMaxClusterSplits][16];
-  if (threadIdx.x < GROUP) {
-    const int head = threadIdx.x;
-    float lse[kMaxClusterSplits], best = kNegInf, total = 0.f;
-#pragma unroll
-    for (int r = 0; r < kMaxClusterSplits; ++r) {
-      lse[r] = r < active ? slots[r * Q::kSlotFloats + Q::kSlotLse + head] : kNegInf;
-      best = fmaxf(best, lse[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < kMaxClusterSplits; ++r) {
-      lse[r] = r < active ? fast_exp2(lse[r] - best) : 0.f;
-      total += lse[r];
-    }
-    const float inv = 1.f / total;
-#pragma unroll
-    for (int r = 0; r < kMaxClusterSplits; ++r)
-      if (r < active) slot_weight[r][head] = lse[r] * inv;
-    if (p.lse != nullptr)
-      p.lse[b * p.num_kv_heads * GROUP + kvh * GROUP + head] = (best + __log2f(total)) * kLn2;
-  }
-  __syncthreads();
   for (int idx = threadIdx.x; idx < Q::kCompact; idx += blockDim.x) {
     const Q quad(idx);
-    const int h1 = Q::kHeads == 2 ? quad.head0 + 1 : quad.head0;
+    float lse[Q::kHeads][kMaxClusterSplits], best[Q::kHeads], total[Q::kHeads];
+#pragma unroll
+    for (int col = 0; col < Q::kHeads; ++col) {
+      best[col] = kNegInf;
+      total[col] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterSplits; ++r) {
+        lse[col][r] = r < active ? slots[r * Q::kSlotFloats + Q::kSlotLse + quad.head0 + col]
+                                 : kNegInf;
+        best[col] = fmaxf(best[col], lse[col][r]);
+      }
+    }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < kMaxClusterSplits; ++r) {
       if (r < active) {
-        const float w0 = slot_weight[r][quad.head0], w1 = slot_weight[r][h1];
+        float w[2] = {0.f, 0.f};
+#pragma unroll
+        for (int col = 0; col < Q::kHeads; ++col) {
+          w[col] = fast_exp2(lse[col][r] - best[col]);
+          total[col] += w[col];
+        }
         const float4 v = *reinterpret_cast<const float4*>(slots + r * Q::kSlotFloats + 4 * idx);
-        acc.x += w0 * v.x; acc.y += w1 * v.y; acc.z += w0 * v.z; acc.w += w1 * v.w;
+        acc.x += w[0] * v.x; acc.y += w[1] * v.y; acc.z += w[0] * v.z; acc.w += w[1] * v.w;
       }
     }
-    quad.template store_output<QT>(p, b, kvh, acc);
+    float inv[2] = {0.f, 0.f};
+#pragma unroll
+    for (int col = 0; col < Q::kHeads; ++col) inv[col] = 1.f / total[col];
+    quad.template store_output<QT>(
+        p, b, kvh, make_float4(acc.x * inv[0], acc.y * inv[1], acc.z * inv[0], acc.w * inv[1]));
+    if (p.lse != nullptr && quad.g == 0 && quad.mb == 0)
+#pragma unroll
+      for (int col = 0; col < Q::kHeads; ++col)
+        p.lse[b * p.num_kv_heads * GROUP + kvh * GROUP + quad.head0 + col] =
+            (best[col] + __log2f(total[col])) * kLn2;
   }
 }
 
