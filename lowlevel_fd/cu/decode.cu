@@ -45,7 +45,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   static_assert(TILES == 1 || TILES == 2, "one or two tiles per step");
   // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
   // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32) and then for the split merge.
-  extern __shared__ __align__(16) float smem[];
+  extern __shared__ __align__(128) float smem[];
   __shared__ float warp_max[NUM_WARPS][16], warp_sum[NUM_WARPS][16];
   __shared__ int is_last;
 
