@@ -27,6 +27,7 @@ DECODE_SAMPLE = (
     DecodeVariant(128, 4, "float16", "token", "float32"),
     DecodeVariant(256, 16, "bfloat16", "token", "float16"),
     DecodeVariant(128, 8, "bfloat16", "head"),
+    DecodeVariant(128, 4, "float16", "token", num_warps=8, cluster=True, tiles=2, append=True),
 )
 CORRUPTIONS = {
     "truncated": lambda blob: blob[: len(blob) // 2],
@@ -75,6 +76,10 @@ def test_decode_variants_compile_without_spills(cache_path, arch, variant):
         assert report.registers > 0
         assert report.spill_store_bytes == report.spill_load_bytes == 0, kernel
         assert report.stack_bytes == 0, kernel
+    # The split kernel's dynamic shared memory (its pipelines) starts after the static part;
+    # their bank swizzles hold only if that start is 128-byte aligned.
+    split = program.resources[program.symbol(variant.split_kernel)]
+    assert split.shared_bytes % 128 == 0, split.shared_bytes
 
 
 def test_compile_error_carries_the_log_with_file_and_line():
