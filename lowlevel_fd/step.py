@@ -9,7 +9,9 @@ the ``seq_lens[b] + 1`` tokens; every layer reads the same ``seq_lens``, and one
     layer i   append_and_run at seq_lens              (writes at L, attends L + 1)
     advance   seq_lens[b] += 1 where the write happened
 
-q is not modified (the rotated query lives in the kernel's shared memory).
+q is not modified (the rotated query lives in the kernel's shared memory). Layers after the
+first pass ``early_reads`` (Hopper): each reads its lengths and cache while the previous
+layer's kernel finishes, since that kernel writes neither (``early_reads=False`` waits).
 
 Unfused (``fused=False``): the append kernel (AppendPlan, which also rotates q in place) then
 attention. The append kernel writes the new token at ``lengths[b]`` and can bump that same
