@@ -43,8 +43,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   using S = Stage<HEAD_DIM, ScaleT, TILES>;
   static_assert(TILES == 1 || TILES == 2, "one or two tiles per step");
-  // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps' partial
-  // outputs [NUM_WARPS][GROUP][HEAD_DIM] (fp32) and then for the split merge.
+  // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps'
+  // accumulator quads (decode_merge.cuh) and then for the global split merge; a cluster's
+  // slots follow at p.cluster_slots_offset. 128-byte aligned: the pipelines' bank swizzles
+  // (decode_pipeline.cuh) assume it, and the static shared memory before it could shift it.
   extern __shared__ __align__(128) float smem[];
   __shared__ float warp_max[NUM_WARPS][16], warp_sum[NUM_WARPS][16];
   __shared__ int is_last;
