@@ -230,7 +230,8 @@ def test_q_rope_for_every_group_size(rng, stream, head_dim, group):
 STEPS = 100
 
 
-def test_hundred_decode_steps_eager_and_graph_replay(rng, stream):
+@pytest.mark.parametrize("fused", [False, True], ids=["append-then-attention", "fused"])
+def test_hundred_decode_steps_eager_and_graph_replay(rng, stream, fused):
     batch, q_heads, heads, head_dim, capacity = 3, 32, 8, 128, 1152
     shape = (batch, heads, capacity, head_dim)
     initial = {"k_cache": rng.integers(-127, 128, shape, dtype=np.int8),
@@ -246,10 +247,18 @@ def test_hundred_decode_steps_eager_and_graph_replay(rng, stream):
     d_q, d_k, d_v = (DeviceArray.empty(x.shape, np.float16) for x in inputs[0])
     d_out, d_table = DeviceArray.empty(d_q.shape, np.float16), DeviceArray.from_numpy(table)
     append = AppendPlan(q_heads, heads, head_dim, max_batch=batch, rope="neox")
-    attention = DecodePlan(q_heads, heads, head_dim, max_batch=batch, max_seq_len=capacity)
-    attention.plan([capacity] * batch)  # one plan for both passes: same splits, same bits
+    attention = DecodePlan(q_heads, heads, head_dim, max_batch=batch, max_seq_len=capacity,
+                           rope="neox")
+    # One plan for both passes: same splits, same bits.
+    attention.plan([capacity] * batch, append=fused)
 
     def decode_step():
+        if fused:  # one launch appends and attends; q stays as given
+            attention.append_and_run(d_q, d_k, d_v, d["k_cache"], d["v_cache"], d["k_scale"],
+                                     d["v_scale"], d["seq_lens"], d_out, cos_sin=d_table,
+                                     stream=stream)
+            attention.advance_lengths(d["seq_lens"], capacity, stream=stream)
+            return
         append.run(d_k, d_v, *cache_args(d), q=d_q, cos_sin=d_table, advance=True,
                    stream=stream)
         attention.run(d_q, d["k_cache"], d["v_cache"], d["k_scale"], d["v_scale"],
@@ -281,6 +290,9 @@ def test_hundred_decode_steps_eager_and_graph_replay(rng, stream):
         q_ref = append_ref(mirror["k_cache"], mirror["v_cache"], mirror["k_scale"],
                            mirror["v_scale"], mirror["seq_lens"], k, v, kv_layout="bnsh",
                            scale_mode="token", rope="neox", cos_sin=table, q=q, advance=True)
+        if fused:  # the kernel rotated a copy of q, rounded to fp16 as the append kernel does
+            assert np.array_equal(q_rot.view(np.uint16), q.view(np.uint16))
+            q_rot = q_ref.astype(np.float16)
         np.testing.assert_allclose(q_rot.astype(np.float64), q_ref, rtol=2.0**-10, atol=1e-5)
         ref, _ = decode_attention_ref(q_rot.astype(np.float32), mirror["k_cache"],
                                       mirror["v_cache"], mirror["k_scale"], mirror["v_scale"],
