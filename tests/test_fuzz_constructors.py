@@ -117,7 +117,8 @@ def decode_constructor_cases(draw: st.DrawFn) -> Broken:
         "q_dtype": wrong_dtype(DTYPES), "kv_layout": wrong_choice(LAYOUTS),
         "scale_mode": wrong_choice(("tensor", "head", "token")),
         "scale_dtype": wrong_dtype(("float32", "float16") if mode == "token" else ("float32",)),
-        "sm_scale": st.sampled_from(NOT_REALS + [0, 0.0, -0.0])
+        # None is valid (the 1/sqrt(head_dim) default), so it is not among the wrong values.
+        "sm_scale": st.sampled_from([x for x in NOT_REALS if x is not None] + [0, 0.0, -0.0])
         | st.floats(allow_nan=True).filter(lambda s: not math.isfinite(s)),
         "device": st.sampled_from(WRONG_DEVICES),
     }[field]
