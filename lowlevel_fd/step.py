@@ -98,11 +98,9 @@ class DecodeStep:
                  early_reads: bool = True, device: Device | None = None) -> None:
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
-        for name, flag in (("fused", fused), ("early_reads", early_reads)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
-        self.fused = fused
-        self.early_reads = early_reads  # fused: append_and_run(early_reads=...) for layers > 0
+        self.fused = check.flag("fused", fused)
+        # fused: append_and_run(early_reads=...) for the layers after the first
+        self.early_reads = check.flag("early_reads", early_reads)
         device = check.device_option(device)  # both plans share it
         self.num_layers = num_layers
         self.append = AppendPlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,

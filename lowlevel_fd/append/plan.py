@@ -72,8 +72,7 @@ class AppendPlan(KernelRunner):
         lengths = bind.lengths("seq_lens", seq_lens, self, batch)
         q_ptr, q_out_ptr, q_strides = self._query(q, q_out, batch)
         table = bind.rope_table(self, cos_sin, capacity)
-        if not isinstance(advance, bool):
-            raise TypeError(f"advance: expected a bool, got {type(advance).__name__}")
+        check.flag("advance", advance)
         bind.host_positions("host_seq_lens", host_seq_lens, batch, capacity - 1,
                             f"the new token must land below the cache capacity S_max="
                             f"{capacity}")

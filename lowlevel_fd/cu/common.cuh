@@ -64,11 +64,6 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
   return out;
 }
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t out;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
-  return out;
-}
 constexpr uint32_t kMagic1152x2 = 0x64806480u;  // fp16 pair (1152, 1152)
 constexpr uint32_t kExp1024x4 = 0x64646464u;
 
@@ -203,14 +198,6 @@ __device__ __forceinline__ float warp_sum_xor_from(float x, int first, int last)
 namespace llfd {
 
 // ---- sm_90 thread-block clusters and programmatic dependent launch ----
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank = 0;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-#endif
-  return rank;
-}
-
 // The cluster barrier in two halves, for a barrier some CTAs only arrive at: arrive (relaxed:
 // no memory ordering) and wait (acquire). A CTA may arrive and exit; wait only waits for
 // threads that have not exited.

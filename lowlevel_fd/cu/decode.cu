@@ -444,17 +444,16 @@ decode_split(const __grid_constant__ DecodeParams p) {
       else value.y *= inv, value.w *= inv;
       lse2[col] = best[col] + __log2f(total[col]);
     }
-    const bool lse_writer = quad.g == 0 && quad.mb == 0;  // one quad per head pair
     if constexpr (CLUSTER) {
       store_cluster_async(my_slot + 16 * idx, value, leader_barrier);
-      if (lse_writer)
+      if (quad.writes_lse())
 #pragma unroll
         for (int col = 0; col < Q::kHeads; ++col)
           store_cluster_async(my_slot + 4 * (Q::kSlotLse + quad.head0 + col), lse2[col],
                               leader_barrier);
     } else if (single) {
       quad.template store_output<QT>(p, b, kvh, value);
-      if (p.lse != nullptr && lse_writer)
+      if (p.lse != nullptr && quad.writes_lse())
 #pragma unroll
         for (int col = 0; col < Q::kHeads; ++col)
           p.lse[b * p.num_kv_heads * GROUP + head0 + quad.head0 + col] = lse2[col] * kLn2;
@@ -464,7 +463,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
       if (Q::kHeads == 2)
         *reinterpret_cast<float2*>(dst + (quad.head0 + 1) * HEAD_DIM) =
             make_float2(value.y, value.w);
-      if (lse_writer)
+      if (quad.writes_lse())
 #pragma unroll
         for (int col = 0; col < Q::kHeads; ++col)
           p.partial_lse[part * GROUP + quad.head0 + col] = lse2[col];

@@ -73,7 +73,7 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
 // exist (lanes c < kPairs), numbered c fastest, then g, mb, hb.
 template <int HEAD_DIM, int GROUP>
 struct Quads {
-  static constexpr int kBlocks = GROUP > 8 ? 2 : 1, kMBlocks = HEAD_DIM / 16;
+  static constexpr int kBlocks = GROUP > 8 ? 2 : 1, kMBlocks = Geometry<HEAD_DIM>::kMBlocks;
   static constexpr int kPairs = GROUP >= 8 ? 4 : (GROUP + 1) / 2;  // lanes c with a head
   static constexpr int kHeads = GROUP > 1 ? 2 : 1;                  // heads per quad
   static constexpr int kPerWarp = kBlocks * kMBlocks * 32;
@@ -91,6 +91,8 @@ struct Quads {
         d(HEAD_DIM / 8 * g + 4 * (mb / 2) + 2 * (mb % 2)) {}
   // This quad's index among a warp's stored quads.
   __device__ __forceinline__ int stored() const { return (hb * kMBlocks + mb) * 32 + 4 * g + c; }
+  // The one quad per head pair that writes the pair's LSEs.
+  __device__ __forceinline__ bool writes_lse() const { return g == 0 && mb == 0; }
 
   // out[b, kvh * GROUP + head, d and d + 1] for the quad's heads.
   template <typename QT>
@@ -152,7 +154,7 @@ __device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
     for (int col = 0; col < Q::kHeads; ++col) inv[col] = 1.f / total[col];
     quad.template store_output<QT>(
         p, b, kvh, make_float4(acc.x * inv[0], acc.y * inv[1], acc.z * inv[0], acc.w * inv[1]));
-    if (p.lse != nullptr && quad.g == 0 && quad.mb == 0)
+    if (p.lse != nullptr && quad.writes_lse())
 #pragma unroll
       for (int col = 0; col < Q::kHeads; ++col)
         p.lse[b * p.num_kv_heads * GROUP + kvh * GROUP + quad.head0 + col] =

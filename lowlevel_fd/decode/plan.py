@@ -108,8 +108,7 @@ class DecodePlan:
         ``append_and_run`` is loaded too (plan with the lengths it attends: positions + 1). A
         captured graph stays valid for any device lengths up to the cache's capacity, but must
         be recaptured after re-planning."""
-        if not isinstance(append, bool):
-            raise TypeError(f"append: expected a bool, got {type(append).__name__} {append!r}")
+        check.flag("append", append)
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         if config is not None:
@@ -243,9 +242,7 @@ class DecodePlan:
         v_new wait for it, and every write does. Pass True only when that previous kernel writes
         none of those buffers (DecodeStep: every layer after the first).
         """
-        if not isinstance(early_reads, bool):
-            raise TypeError(f"early_reads: expected a bool, got {type(early_reads).__name__} "
-                            f"{early_reads!r}")
+        check.flag("early_reads", early_reads)
         if self._split_append is None:
             raise RuntimeError("append_and_run: call plan(seq_lens, append=True) first")
         self._require_open()

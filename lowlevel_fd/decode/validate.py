@@ -26,6 +26,13 @@ def integer(name: str, value: Any) -> int:
     return int(value)
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool; 0, 1, strings and None are TypeErrors."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def real(name: str, value: Any) -> float:
     """``value`` as a finite float; what is not a real number (str, None, bool) is a TypeError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -73,8 +80,7 @@ def tile_config(config: Any) -> None:
     for field in ("num_warps", "num_splits", "min_split_tokens", "stages"):
         integer(f"config.{field}", getattr(config, field))
     for field in ("fused_merge", "cluster", "programmatic"):
-        if not isinstance(getattr(config, field), bool):
-            raise TypeError(f"config.{field}: expected a bool, got {getattr(config, field)!r}")
+        flag(f"config.{field}", getattr(config, field))
     choice("config.num_warps", int(config.num_warps), NUM_WARPS)
     integer("config.tiles", config.tiles)
     choice("config.tiles", int(config.tiles), (1, 2))
