@@ -1,48 +1,38 @@
-"""``python -m lowlevel_fd {info,compile,demo,bench}``: inspect the set-up, build the kernels,
-run the demo or the benchmark."""
+"""python -m lowlevel_fd {info,compile,demo}: inspect the set-up, build every shipped kernel,
+run the demo. The benchmarks live in the source checkout's tools/ (tools/bench.py)."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from . import __version__
-from .compiler import CompiledProgram, CompileError, CompileOptions, cache_dir, nvrtc_version
-from .decode import DecodeVariant, shipped_variants
-from .decode.variants import PLANNER_WARPS, WARP_COUNTS
+from . import __version__, demo as demo_job
+from .append import shipped_variants as append_variants
+from .compiler import (CompiledProgram, CompileError, CompileOptions, cache_dir, nvrtc_compiles,
+                       nvrtc_version)
+from .core.support import WARP_COUNTS
+from .decode import shipped_variants as decode_variants
+from .decode.planner import DEFAULT_WARPS
 from .driver import Device, device_count, driver_version
-
-BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
-# The demo's model shape (see lowlevel_fd/demo.py): head_dim 128, 4 query heads per KV head.
-DEMO_VARIANT = DecodeVariant(head_dim=128, group_size=4, q_dtype="float16", scale_mode="token")
 
 
 @dataclass(frozen=True)
 class KernelFamily:
-    """A kernel source and the variants it ships. ``variants(num_warps)`` yields objects with
-    ``compile(arch) -> CompiledProgram``; ``kernels(variant)`` names their entry points."""
+    """A kernel family and the programs it ships. ``variants(num_warps)`` yields objects with
+    ``compile(arch) -> CompiledProgram`` and ``kernel_names`` (their entry points)."""
 
     name: str
     variants: Callable[[tuple[int, ...]], Iterable[Any]]
-    kernels: Callable[[Any], Sequence[str]]
 
 
-def _append_variants(num_warps: tuple[int, ...]) -> Iterable[Any]:
-    from .append import shipped_variants as append_variants  # only `compile` needs it
-    return append_variants(num_warps)
-
-
-# Everything `compile` builds; a new kernel source adds its family here.
+# Everything `compile` builds; a new kernel family adds itself here.
 FAMILIES: list[KernelFamily] = [
-    KernelFamily("decode", shipped_variants, lambda v: (v.split_kernel, v.combine_kernel)),
-    KernelFamily("append", _append_variants, lambda v: v.kernel_names),
+    KernelFamily("decode", decode_variants),
+    KernelFamily("append", append_variants),
 ]
 
 
@@ -104,22 +94,41 @@ def _compile_one(variant: Any, arch: str) -> CompiledProgram | CompileError:
         return exc
 
 
+def _progress(done: int, total: int, start: float) -> None:
+    """One line per tenth of the programs on stderr (a rewritten line on a terminal)."""
+    if sys.stderr.isatty():
+        print(f"\r  {done}/{total} programs, {time.perf_counter() - start:.0f} s", end="",
+              file=sys.stderr, flush=True)
+        if done == total:
+            print(file=sys.stderr)
+    elif done == total or done % max(1, total // 10) == 0:
+        print(f"  {done}/{total} programs, {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+
+
 def compile_families(families: Sequence[KernelFamily], arch: str,
                      num_warps: tuple[int, ...]) -> int:
-    """Compile every variant (NVRTC drops the GIL, so threads overlap), print one row per
-    kernel, and return 1 if any kernel failed, spilled or needed a stack frame."""
+    """Compile every program (NVRTC drops the GIL, so threads overlap) with progress on stderr,
+    print one row per kernel, and return 1 if any kernel failed, spilled or needed a stack
+    frame."""
     jobs = [(family, variant) for family in families for variant in family.variants(num_warps)]
-    print(f"compiling {len(jobs)} variants ({', '.join(f.name for f in families)}) for {arch}")
+    print(f"compiling {len(jobs)} programs ({', '.join(f.name for f in families)}) for {arch}",
+          flush=True)
     start = time.perf_counter()
+    results: list[Any] = [None] * len(jobs)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda job: _compile_one(job[1], arch), jobs))
+        futures = {pool.submit(_compile_one, variant, arch): index
+                   for index, (_, variant) in enumerate(jobs)}
+        for done, future in enumerate(as_completed(futures), 1):
+            results[futures[future]] = future.result()
+            _progress(done, len(jobs), start)
     rows, problems, first_error = [], [], None
     for (family, variant), result in zip(jobs, results):
         if isinstance(result, CompileError):
             problems.append(f"{family.name} {variant}: does not compile")
             first_error = first_error or result
             continue
-        for name in family.kernels(variant):
+        for name in variant.kernel_names:
             r = result.resources.get(result.symbol(name))
             if r is None:
                 problems.append(f"{name}: no ptxas report for this kernel")
@@ -147,67 +156,50 @@ def compile_families(families: Sequence[KernelFamily], arch: str,
 
 
 def compile_command(args: argparse.Namespace) -> int:
-    warps = WARP_COUNTS if args.all_warps else PLANNER_WARPS
+    warps = WARP_COUNTS if args.all_warps else (DEFAULT_WARPS,)
     return compile_families(FAMILIES, args.arch or _default_arch(), warps)
 
 
-# -- demo and bench ---------------------------------------------------------------------------
+# -- demo -------------------------------------------------------------------------------------
 def demo(_: argparse.Namespace) -> int:
-    if device_count() == 0:
-        program = DEMO_VARIANT.compile("sm_90")
-        print(f"compiled the demo's kernel {DEMO_VARIANT.split_kernel} for sm_90 "
-              f"({len(program.cubin)} bytes of CUBIN)")
-        print("the demo needs a CUDA GPU to run, and none is visible")
-        return 0
-    try:
-        module = importlib.import_module("lowlevel_fd.demo")
-    except ModuleNotFoundError as exc:
-        if exc.name != "lowlevel_fd.demo":
-            raise
-        print("demo: lowlevel_fd/demo.py is not part of this install", file=sys.stderr)
-        return 2
-    status = module.main()
-    return status if isinstance(status, int) else 0
-
-
-def bench(argv: list[str]) -> int:
-    """Run ``tools/bench.py``'s ``main(argv)``; it lives in the source checkout, not the wheel."""
-    if not BENCH_SCRIPT.is_file():
-        print(f"bench: {BENCH_SCRIPT} not found (the benchmark lives in the source checkout, "
-              "not in the installed package)", file=sys.stderr)
-        return 2
-    spec = importlib.util.spec_from_file_location("lowlevel_fd_bench", BENCH_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
-    spec.loader.exec_module(module)
-    status = module.main(argv)
-    return status if isinstance(status, int) else 0
+    if device_count() > 0:
+        status = demo_job.main()
+        return status if isinstance(status, int) else 0
+    # No GPU: build what the demo would launch on an H100 (the planner's pick for its shape).
+    variant = demo_job.planned_variant()
+    before = nvrtc_compiles()
+    program = variant.compile("sm_90")
+    how = "compiled" if nvrtc_compiles() > before else "found in the compile cache"
+    print(f"{how}: the demo's kernel {variant.split_kernel} for sm_90 ({len(program.cubin)} "
+          f"bytes of CUBIN)")
+    print("the demo needs a CUDA GPU to run, and none is visible")
+    return 0
 
 
 # -- entry point ------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lowlevel_fd", description=__doc__)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     commands.add_parser("info", help="versions, the GPU and the compile cache directory"
                         ).set_defaults(run=info)
-    build = commands.add_parser("compile", help="compile every shipped kernel variant and "
-                                "report registers, spills and shared memory")
+    build = commands.add_parser("compile", help="compile every shipped kernel and report "
+                                "registers, spills and shared memory")
     build.add_argument("--arch", type=_arch, default=None,
                        help="target, e.g. sm_80 or sm_90 (default: the GPU's, else sm_90)")
+    others = " and ".join(str(w) for w in WARP_COUNTS if w != DEFAULT_WARPS)
     build.add_argument("--all-warps", action="store_true",
-                       help="also compile the 2- and 8-warp variants the tuner explores")
+                       help=f"also compile the decode variants of {others} warps that a "
+                            f"TileConfig may ask for (the planner picks {DEFAULT_WARPS})")
     build.set_defaults(run=compile_command)
     commands.add_parser("demo", help="decode attention over an INT8 cache, checked against "
-                        "the reference (needs a GPU)").set_defaults(run=demo)
-    commands.add_parser("bench", add_help=False,
-                        help="benchmark (tools/bench.py; arguments pass through)")
+                        "the reference and timed (needs a GPU)").set_defaults(run=demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # argparse would claim options meant for the benchmark
-        return bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    # `python -m lowlevel_fd` runs __main__.py; the console script is `lowlevel-fd`.
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = "python -m lowlevel_fd" if invoked in ("", "__main__.py", "-c") else invoked
+    args = build_parser(prog).parse_args(argv)
     return args.run(args)

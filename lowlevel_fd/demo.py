@@ -11,12 +11,23 @@ import sys
 
 import numpy as np
 
-from .decode import DecodePlan
+from .core.spec import KVCacheSpec
+from .decode import DecodePlan, DecodeVariant, Workload, choose
 from .driver import DeviceArray, Stream
 from .reference import decode_attention_ref
 from .timing import time_graph
 
 HEADS, KV_HEADS, HEAD_DIM, LENGTH, LAYERS = 32, 8, 128, 1024, 64
+CACHE = KVCacheSpec(KV_HEADS, HEAD_DIM, scale_mode="token")
+H100_SMS = 132
+
+
+def planned_variant(sm_count: int = H100_SMS, hopper: bool = True) -> DecodeVariant:
+    """The kernel the demo's plan launches on a GPU of ``sm_count`` SMs (an H100 by default):
+    the planner's choice for its shape, as DecodePlan.plan makes it."""
+    config = choose(Workload(1, KV_HEADS, LENGTH, sm_count, 0, HEADS // KV_HEADS, HEAD_DIM),
+                    clusters=hopper)
+    return DecodeVariant.planned(CACHE, HEADS // KV_HEADS, "float16", config)
 
 
 def _layer(rng: np.random.Generator) -> dict[str, DeviceArray]:
@@ -39,7 +50,7 @@ def main() -> int:
     stream = Stream()
     seq_lens = DeviceArray.from_numpy(np.array([LENGTH], np.int32))
     layers = [_layer(rng) for _ in range(LAYERS)]
-    plan = DecodePlan(HEADS, KV_HEADS, HEAD_DIM, max_batch=1, max_seq_len=LENGTH).plan([LENGTH])
+    plan = DecodePlan(CACHE, HEADS, max_batch=1, max_seq_len=LENGTH).plan([LENGTH])
 
     def run(layer: dict) -> None:
         plan.run(layer["q"], layer["k"], layer["v"], layer["k_scale"], layer["v_scale"],

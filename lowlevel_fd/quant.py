@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-QMAX = 127  # symmetric range [-127, 127]; -128 is never produced
+from .core.support import KV_LAYOUTS, SCALE_MODES
 
-KV_LAYOUTS = ("bnsh", "bsnh")
-SCALE_MODES = ("tensor", "head", "token")
+QMAX = 127  # symmetric range [-127, 127]; -128 is never produced
 _CALIBRATED_MODES = ("tensor", "head")
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 

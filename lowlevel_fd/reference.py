@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-KV_LAYOUTS = ("bnsh", "bsnh")
-SCALE_MODES = ("tensor", "head", "token")
-ROPE_STYLES = ("neox", "gptj")
+from .core.support import KV_LAYOUTS, ROPE_STYLES as _ROPE_STYLES, SCALE_MODES
+
+ROPE_STYLES = tuple(s for s in _ROPE_STYLES if s is not None)
 
 
 def _require_choice(name: str, value: str, valid: tuple[str, ...]) -> None:

@@ -28,10 +28,11 @@ and attend L + 1 tokens, yet only one launch may bump the lengths. So the step i
 second counter) keeps ``seq_lens`` the single source of truth: the caller may rewrite it between
 steps (a new request, a rollback) and the next step follows. A full cache stays consistent in
 both modes: if ``seq_lens[b]`` is S_max, no layer writes, nothing advances, every layer attends
-the S_max tokens it has, and bit 0 of the error flags is set (``error_flags()["append"]``
-unfused, ``["attention"]`` fused).
+the S_max tokens it has, and ``error_flags()`` has ERROR_OUTSIDE_CACHE set.
 
-The plans are shared by the layers. That is safe because a launch copies its parameter block
+Every layer's buffers are validated once, by ``capture``/``eager``/``validate``, into prepared
+calls of the plans; issuing the step launches those calls with no further checks. The plans
+are shared by the layers. That is safe because a launch copies its parameter block
 when it is issued (and a captured kernel node keeps that copy), and because the attention
 workspace (split partials, merge counters, reset by the merging CTA) is only ever used by one
 layer at a time: all launches go to one stream, in order. Graph replay and ``eager`` issue the
@@ -46,11 +47,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .append import AppendPlan
-from .append import bind as append_bind
+from .core import validate as check
+from .core.binding import layout_strides
+from .core.spec import KVCacheSpec, cache_spec
 from .decode import DecodePlan
-from .decode import validate as check
-from .decode.bind import bind_arguments
-from .decode.params import DecodeParams
 from .driver import Device, DeviceArray, Graph, capture
 from .driver.stream import StreamLike
 
@@ -90,71 +90,77 @@ class DecodeStep:
     ``capture`` returns a Graph that replays the whole step, ``eager`` issues the same
     launches without one."""
 
-    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-                 max_batch: int, max_seq_len: int, kv_layout: str = "bnsh",
-                 scale_mode: str = "token", scale_dtype: str = "float32",
-                 dtype: str = "float16", rope: str | None = None, rope_theta: float = 10000.0,
-                 sm_scale: float | None = None, fused: bool = True,
-                 early_reads: bool = True, device: Device | None = None) -> None:
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
+    def __init__(self, cache: KVCacheSpec, num_layers: int, num_q_heads: int, *,
+                 max_batch: int, max_seq_len: int, dtype: str = "float16",
+                 sm_scale: float | None = None, fused: bool = True, early_reads: bool = True,
+                 device: Device | None = None) -> None:
+        self.cache = cache_spec(cache)
+        self.num_layers = check.positive("num_layers", num_layers)
         self.fused = check.flag("fused", fused)
         # fused: append_and_run(early_reads=...) for the layers after the first
         self.early_reads = check.flag("early_reads", early_reads)
-        device = check.device_option(device)  # both plans share it
-        self.num_layers = num_layers
-        self.append = AppendPlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,
-                                 kv_layout=kv_layout, scale_mode=scale_mode,
-                                 scale_dtype=scale_dtype, dtype=dtype, rope=rope,
-                                 rope_theta=rope_theta, device=device)
-        self.attention = DecodePlan(num_q_heads, num_kv_heads, head_dim, max_batch=max_batch,
-                                    max_seq_len=max_seq_len, q_dtype=dtype, kv_layout=kv_layout,
-                                    scale_mode=scale_mode, scale_dtype=scale_dtype,
-                                    sm_scale=sm_scale, rope=rope, rope_theta=rope_theta,
+        device = check.device_option(device)  # the plans share it
+        self.attention = DecodePlan(self.cache, num_q_heads, max_batch=max_batch,
+                                    max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale,
                                     device=device)
-        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.max_batch, self.max_seq_len, self.rope = max_batch, max_seq_len, rope
-        self.device = device
+        self.append = None if fused else AppendPlan(self.cache, num_q_heads,
+                                                    max_batch=max_batch, dtype=dtype,
+                                                    device=device)
+        self.num_q_heads, self.max_batch = self.attention.num_q_heads, max_batch
+        self.max_seq_len, self.dtype, self.device = max_seq_len, self.attention.dtype, device
         self._host_lengths: np.ndarray | None = None
         self._arrays: dict[str, DeviceArray] = {}
         self._finalizer = weakref.finalize(self, _close, self._arrays)
 
+    @classmethod
+    def create(cls, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+               max_batch: int, max_seq_len: int, dtype: str = "float16",
+               kv_layout: str = "bnsh", scale_mode: str = "token", scale_dtype: str = "float32",
+               rope: str | None = None, rope_theta: float = 10000.0,
+               sm_scale: float | None = None, fused: bool = True, early_reads: bool = True,
+               device: Device | None = None) -> "DecodeStep":
+        """The keyword form: builds the KVCacheSpec from the cache options."""
+        spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
+                           rope_theta)
+        return cls(spec, num_layers, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
+                   dtype=dtype, sm_scale=sm_scale, fused=fused, early_reads=early_reads,
+                   device=device)
+
     # -- plan ---------------------------------------------------------------------------------
-    def plan(self, host_lengths: Any) -> "DecodeStep":
+    def plan(self, seq_lens: Any) -> "DecodeStep":
         """Plan for these host lengths ``[B]`` (tokens in the cache before the step): attention
-        is planned for ``L + 1`` tokens, both kernels are compiled and loaded, the positions
+        is planned for ``L + 1`` tokens, the kernels are compiled and loaded, the positions
         buffer is allocated. Recapture any graph afterwards."""
         self._require_open()
-        lengths = check.host_lengths("host_lengths", host_lengths, self.max_batch,
-                                     self.max_seq_len)
-        full = np.flatnonzero(lengths >= self.max_seq_len)
-        if full.size:
-            b = int(full[0])
-            raise ValueError(f"host_lengths: sequence {b} has length {int(lengths[b])}, leaving "
-                             f"no room for the step's new token (max_seq_len="
-                             f"{self.max_seq_len})")
-        self.attention.plan(lengths + 1, append=self.fused)
-        if not self.fused:
+        lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
+        if self.fused:
+            self.attention.plan(lengths, append=True)  # rejects a full sequence
+        else:
+            full = np.flatnonzero(lengths >= self.max_seq_len)
+            if full.size:
+                b = int(full[0])
+                raise ValueError(f"seq_lens: sequence {b} has length {int(lengths[b])}, leaving "
+                                 f"no room for the new token (max_seq_len={self.max_seq_len})")
+            self.attention.plan(lengths + 1)
+            assert self.append is not None
             self.append.load()
-        if "positions" not in self._arrays and not self.fused:
-            self._arrays["positions"] = DeviceArray.full(self.max_batch, 0, np.int32,
-                                                         self.device)
+            if "positions" not in self._arrays:
+                self._arrays["positions"] = DeviceArray.full(self.max_batch, 0, np.int32,
+                                                             self.device)
         self._host_lengths = lengths
         return self
 
     # -- validation ---------------------------------------------------------------------------
-    def validate(self, layers: Sequence[Any], seq_lens: Any) -> tuple[list[LayerBuffers], Any]:
+    def validate(self, layers: Sequence[Any], seq_lens: Any) -> None:
         """Check every layer's buffers and ``seq_lens`` (int32 ``[B]`` on the device) against
         the plan; ValueError/TypeError name the layer and the argument. Launches nothing."""
-        bound, lengths, _ = self._checked(layers, seq_lens)
-        return bound, lengths
+        self._prepared(layers, seq_lens)
 
-    def _checked(self, layers: Sequence[Any], seq_lens: Any
-                 ) -> tuple[list[LayerBuffers], DeviceArray, int]:
-        """validate(), plus the layers' cache capacity S_max (of the first layer)."""
+    def _prepared(self, layers: Sequence[Any], seq_lens: Any) -> tuple[list, DeviceArray, int]:
+        """Every layer's launches, validated; the lengths; the caches' capacity S_max."""
         self._require_open()
         if self._host_lengths is None:
-            raise RuntimeError("DecodeStep: call plan(host_lengths) first")
+            raise RuntimeError("DecodeStep: call plan(seq_lens) first")
         batch = int(self._host_lengths.size)
         if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
             raise TypeError(f"layers: expected a sequence of {self.num_layers} LayerBuffers, "
@@ -162,17 +168,15 @@ class DecodeStep:
         if len(layers) != self.num_layers:
             raise ValueError(f"layers: expected {self.num_layers} layers' buffers (num_layers), "
                              f"got {len(layers)}")
-        lengths = append_bind.lengths("seq_lens", seq_lens, self.append, batch)
-        checked = [self._layer(i, layer, lengths, batch) for i, layer in enumerate(layers)]
-        capacities = {capacity for _, capacity in checked}
+        lengths = check.device_lengths("seq_lens", seq_lens, self.device, batch)
+        prepared = [self._layer(i, layer, lengths) for i, layer in enumerate(layers)]
+        capacities = sorted({capacity for _, capacity in prepared})
         if self.fused and len(capacities) > 1:  # one advance_lengths serves every layer
             raise ValueError(f"layers: expected caches of one capacity S_max in every layer "
-                             f"(the fused step advances the lengths once), got "
-                             f"{sorted(capacities)}")
-        return [layer for layer, _ in checked], lengths, checked[0][1]
+                             f"(the fused step advances the lengths once), got {capacities}")
+        return [calls for calls, _ in prepared], lengths, capacities[0]
 
-    def _layer(self, index: int, layer: Any, lengths: DeviceArray,
-               batch: int) -> tuple[LayerBuffers, int]:
+    def _layer(self, index: int, layer: Any, lengths: DeviceArray) -> tuple[tuple, int]:
         name = f"layers[{index}]"
         if isinstance(layer, Mapping):
             unknown = sorted(set(layer) - set(_FIELDS))
@@ -184,63 +188,57 @@ class DecodeStep:
         elif not isinstance(layer, LayerBuffers):
             raise TypeError(f"{name}: expected LayerBuffers or a mapping, got "
                             f"{type(layer).__name__}")
-        append, Hkv, Hq = self.append, self.num_kv_heads, self.num_q_heads
+        caches = (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale)
         try:
-            append_bind.token_rows("k_new", layer.k_new, append, Hkv, "[B, Hkv, D]", batch)
-            append_bind.token_rows("v_new", layer.v_new, append, Hkv, "[B, Hkv, D]", batch)
-            q = append_bind.token_rows("q", layer.q, append, Hq, "[B, Hq, D]", batch)
-            kc, vc, capacity, _ = append_bind.caches(append, layer.k_cache, layer.v_cache,
-                                                     batch)
-            ks, vs = append_bind.scales(append, layer.k_scale, layer.v_scale, batch, capacity)
-            append_bind.rope_table(append, layer.cos_sin, capacity)
-            append_bind.host_positions(
-                "host_lengths", self._host_lengths, batch, capacity - 1,
-                f"the new token must land below the cache capacity S_max={capacity}")
-            bind_arguments(self.attention, DecodeParams(), q, kc, vc, ks, vs, lengths,
-                           layer.out, layer.lse)  # a scratch block: only the checks matter
+            if self.fused:
+                calls: tuple = (self.attention.prepare_append_and_run(
+                    layer.q, layer.k_new, layer.v_new, *caches, lengths, layer.out,
+                    cos_sin=layer.cos_sin, lse=layer.lse,
+                    early_reads=self.early_reads and index > 0),)
+            else:
+                assert self.append is not None
+                first = index == 0
+                positions = lengths if first else self._arrays["positions"][:lengths.shape[0]]
+                calls = (self.append.prepare_run(
+                    layer.k_new, layer.v_new, *caches, positions,
+                    q=layer.q if self.cache.rope else None, cos_sin=layer.cos_sin,
+                    advance=first),
+                    self.attention.prepare_run(layer.q, *caches, lengths, layer.out,
+                                               lse=layer.lse))
+            capacity = layout_strides(self.cache, check.device_array("k_cache", layer.k_cache,
+                                                                     self.device))[0]
+            check.host_within("seq_lens", self._host_lengths, lengths.shape[0], capacity - 1,
+                              f"the new token must land below the cache capacity "
+                              f"S_max={capacity}")
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{name}.{exc}") from None
-        return layer, capacity
+        return calls, capacity
 
     # -- run ----------------------------------------------------------------------------------
     def capture(self, layers: Sequence[Any], seq_lens: Any, stream: StreamLike) -> Graph:
         """Validate, then capture the whole step on ``stream`` (not the legacy stream) into a
         Graph. Each ``graph.launch(stream)`` is one step: it reads the buffers in place and
         advances ``seq_lens`` by one. Valid until the next ``plan``."""
-        bound, lengths, capacity = self._checked(layers, seq_lens)
+        calls, lengths, capacity = self._prepared(layers, seq_lens)
         with capture(stream) as graph:
-            self._issue(bound, lengths, capacity, stream)
+            self._issue(calls, lengths, capacity, stream)
         return graph
 
     def eager(self, layers: Sequence[Any], seq_lens: Any, stream: StreamLike) -> None:
         """Validate, then enqueue the step's launches on ``stream`` one by one: the same
         launches, in the same order, as a replay of ``capture``'s graph."""
-        bound, lengths, capacity = self._checked(layers, seq_lens)
-        self._issue(bound, lengths, capacity, stream)
+        calls, lengths, capacity = self._prepared(layers, seq_lens)
+        self._issue(calls, lengths, capacity, stream)
 
-    def _issue(self, layers: list[LayerBuffers], seq_lens: DeviceArray, capacity: int,
+    def _issue(self, calls: list, seq_lens: DeviceArray, capacity: int,
                stream: StreamLike) -> None:
+        if not self.fused and self.num_layers > 1:
+            self._arrays["positions"][:seq_lens.shape[0]].copy_from(seq_lens, stream)
+        for layer_calls in calls:
+            for call in layer_calls:
+                call.launch(stream)
         if self.fused:
-            for index, layer in enumerate(layers):
-                # Layer i > 0 follows layer i - 1's kernel, which writes neither the lengths
-                # nor this layer's cache: its cache reads may start during that kernel's tail.
-                self.attention.append_and_run(
-                    layer.q, layer.k_new, layer.v_new, layer.k_cache, layer.v_cache,
-                    layer.k_scale, layer.v_scale, seq_lens, layer.out, cos_sin=layer.cos_sin,
-                    lse=layer.lse, early_reads=self.early_reads and index > 0, stream=stream)
             self.attention.advance_lengths(seq_lens, capacity, stream=stream)
-            return
-        positions = self._arrays["positions"][:seq_lens.shape[0]]
-        if self.num_layers > 1:
-            positions.copy_from(seq_lens, stream)
-        for index, layer in enumerate(layers):
-            first = index == 0
-            self.append.run(layer.k_new, layer.v_new, layer.k_cache, layer.v_cache,
-                            layer.k_scale, layer.v_scale, seq_lens if first else positions,
-                            q=layer.q if self.rope else None, cos_sin=layer.cos_sin,
-                            advance=first, stream=stream)
-            self.attention.run(layer.q, layer.k_cache, layer.v_cache, layer.k_scale,
-                               layer.v_scale, seq_lens, layer.out, lse=layer.lse, stream=stream)
 
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -257,21 +255,24 @@ class DecodeStep:
                 "nodes_per_step": copies + per_step + self.num_layers * per_layer,
                 "attention": attention}
 
-    def error_flags(self, *, stream: StreamLike, clear: bool = True) -> dict[str, int]:
-        """``append`` bit 0 (unfused): a position fell outside a cache (not written, not
-        advanced); ``attention`` bit 0: a length exceeded the capacity (clamped), or, fused, a
-        position fell outside a cache (not written, not advanced). Synchronous."""
-        return {"append": self.append.error_flags(stream=stream, clear=clear),
-                "attention": self.attention.error_flags(clear=clear)}
+    def error_flags(self, *, stream: StreamLike, clear: bool = True) -> int:
+        """The error bits of the step's kernels, ORed: ERROR_OUTSIDE_CACHE when a sequence's
+        length left no room in a cache (nothing written, not advanced) or exceeded it
+        (clamped). Waits for the work enqueued on ``stream``, then clears on it."""
+        flags = self.attention.error_flags(stream=stream, clear=clear)
+        if self.append is not None:
+            flags |= self.append.error_flags(stream=stream, clear=clear)
+        return flags
 
     def _require_open(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("DecodeStep is closed")
 
     def close(self) -> None:
-        """Free the positions buffer and both plans; the step cannot run afterwards."""
+        """Free the positions buffer and the plans; the step cannot run afterwards."""
         self._finalizer()
-        self.append.close()
+        if self.append is not None:
+            self.append.close()
         self.attention.close()
         self._host_lengths = None
 

@@ -12,10 +12,6 @@ _STRIDES = ("k_batch_stride", "k_head_stride", "k_token_stride",
             "scale_batch_stride", "scale_head_stride")
 _INTS = ("num_kv_heads", "num_q_heads", "capacity", "prompt_tokens", "advance")
 
-# Bits of the error word (kError* in append_params.cuh).
-ERROR_POSITION_OUTSIDE_CACHE = 1  # a position < 0 or >= capacity: nothing written for it
-ERROR_PROMPT_LENGTH = 2           # a prompt length < 0 or > the prompt's S: clamped
-
 
 class AppendParams(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_uint64) for name in _POINTERS]

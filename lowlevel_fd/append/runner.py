@@ -1,78 +1,66 @@
-"""What AppendPlan and PromptQuantizer share: the kernel, the error word, the packed launch."""
+"""What AppendPlan and PromptQuantizer share: the kernel, the error word, the packed launch and
+the prepared calls."""
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import Any
 
-import numpy as np
-
-from ..decode import validate as check
-from ..driver import Device, DeviceArray, Kernel, LaunchConfig, PreparedLaunch, is_capturing
+from ..core import validate as check
+from ..core.errors import ErrorWord
+from ..core.loader import load_kernels
+from ..core.spec import KVCacheSpec, cache_spec
+from ..core.support import DTYPES
+from ..driver import Device, Kernel, LaunchConfig, PreparedLaunch, is_capturing
 from ..driver.stream import StreamLike
 from .params import AppendParams
-from .variants import (DTYPES, HEAD_DIMS, ROPE_STYLES, SCALE_MODES, THREADS, AppendVariant,
-                       load_variant)
-
-KV_LAYOUTS = ("bnsh", "bsnh")
+from .variants import THREADS, AppendVariant
 
 
-def _close(arrays: dict[str, DeviceArray]) -> None:
-    for array in arrays.values():
-        array.close()
-    arrays.clear()
+def _close(resources: dict[str, Any]) -> None:
+    for resource in resources.values():
+        resource.close()
+    resources.clear()
 
 
 class KernelRunner:
-    """Validates the configuration, then owns one kernel of an AppendVariant, a 4-byte device
-    error word and the packed parameter block. Nothing touches the GPU until ``load()``."""
+    """Checks the plan's own options (the cache's are the KVCacheSpec's), then owns one kernel
+    of an AppendVariant, a device error word and the packed parameter block. Nothing touches
+    the GPU until ``load()``."""
 
     _kernel_index = 0  # 0: append_token, 1: quantize_prompt
 
-    def __init__(self, num_kv_heads: int, head_dim: int, *, max_batch: int, kv_layout: str,
-                 scale_mode: str, scale_dtype: str, dtype: str, rope: str | None,
-                 rope_theta: float, device: Device | None) -> None:
-        head_dim = check.integer("head_dim", head_dim)
-        num_kv_heads = check.integer("num_kv_heads", num_kv_heads)
-        max_batch = check.integer("max_batch", max_batch)
-        check.choice("head_dim", head_dim, HEAD_DIMS)
-        dtype = check.dtype_option("dtype", dtype, DTYPES)
-        check.choice("kv_layout", kv_layout, KV_LAYOUTS)
-        check.choice("scale_mode", scale_mode, SCALE_MODES)
-        scale_dtype = check.dtype_option(
-            "scale_dtype", scale_dtype,
-            ("float32", "float16") if scale_mode == "token" else ("float32",))
-        check.choice("rope", rope, ROPE_STYLES)
-        if num_kv_heads < 1:
-            raise ValueError(f"num_kv_heads: expected a positive int, got {num_kv_heads!r}")
-        if max_batch < 1:
-            raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
-        theta = check.real("rope_theta", rope_theta)
-        if not theta > 1.0:
-            raise ValueError(f"rope_theta: expected a finite base > 1, got {rope_theta!r}")
-        self.num_kv_heads, self.head_dim, self.max_batch = num_kv_heads, head_dim, max_batch
-        self.kv_layout, self.scale_mode, self.scale_dtype = kv_layout, scale_mode, scale_dtype
-        self.dtype, self.rope, self.rope_theta = dtype, rope, theta
-        self.variant = AppendVariant(head_dim, dtype, scale_mode, scale_dtype, rope)
+    def __init__(self, cache: KVCacheSpec, *, max_batch: int, dtype: str,
+                 device: Device | None) -> None:
+        self.cache = cache_spec(cache)
+        self.max_batch = check.positive("max_batch", max_batch)
+        self.dtype = check.dtype_option("dtype", dtype, DTYPES)
+        self.variant = AppendVariant.planned(self.cache, self.dtype)
         self.device = check.device_option(device)
         self._params = AppendParams()
-        self._params.num_kv_heads = num_kv_heads
-        self._params.rope_theta = theta
+        self._params.num_kv_heads = self.cache.num_kv_heads
+        self._params.rope_theta = self.cache.rope_theta
         self._kernel: Kernel | None = None
         self._launches: dict[tuple[int, ...], PreparedLaunch] = {}
-        self._arrays: dict[str, DeviceArray] = {}
-        self._finalizer = weakref.finalize(self, _close, self._arrays)
+        self._resources: dict[str, ErrorWord] = {}
+        self._finalizer = weakref.finalize(self, _close, self._resources)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cache.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.cache.head_dim
 
     def load(self) -> "KernelRunner":
         """Compile (cached on disk), load the kernel and allocate the zeroed error word. The
         first ``run`` does this; call it yourself before capturing a graph."""
         self._require_open()
         if self._kernel is None:
-            kernel = load_variant(self.variant, self.device)[self._kernel_index]
-            self._arrays["error_flags"] = DeviceArray.full(1, 0, np.uint32, self.device)
-            self._params.error_flags = self._arrays["error_flags"].ptr
-            # The zeroing memset went to the legacy stream, which a non-blocking stream does
-            # not wait for: finish it before the first run can set a bit.
-            self.device.synchronize()
+            kernel = load_kernels(self.variant, self.device)[self._kernel_index]
+            self._resources["error_flags"] = ErrorWord(self.device)
+            self._params.error_flags = self._resources["error_flags"].ptr
             self._kernel = kernel
         return self
 
@@ -90,20 +78,17 @@ class KernelRunner:
             self._launches[grid] = launch
         launch.launch(stream)
 
-    def error_flags(self, *, stream: StreamLike | None = None, clear: bool = True) -> int:
-        """Bit 0: a position fell outside the cache and was not written; bit 1 (prompts): a
-        length exceeded the prompt's S and was clamped. Synchronous: waits for ``stream`` (the
-        one the runs went to) first; 0 before the first run."""
+    def _prepared(self, params: AppendParams, grid: tuple[int, ...]) -> "PreparedAppend":
+        return PreparedAppend(self, AppendParams.from_buffer_copy(params), grid)
+
+    def error_flags(self, *, stream: StreamLike, clear: bool = True) -> int:
+        """The bits the kernel set since the last clear (ERROR_OUTSIDE_CACHE: a position outside
+        the cache, not written; ERROR_PROMPT_LENGTH: a prompt length above the prompt's S,
+        clamped). Waits for the work enqueued on ``stream`` (the one the runs went to), then
+        clears on it; 0 before the first run."""
         self._require_open()
-        flags = self._arrays.get("error_flags")
-        if flags is None:
-            return 0
-        value = int(flags.numpy(stream=stream)[0])
-        if clear:  # a memset is asynchronous: order it before the next run's writes
-            flags.fill(0, stream)
-            if stream is None:
-                self.device.synchronize()
-        return value
+        word = self._resources.get("error_flags")
+        return 0 if word is None else word.read(stream, clear)
 
     def _require_open(self) -> None:
         if not self._finalizer.alive:
@@ -120,3 +105,23 @@ class KernelRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PreparedAppend:
+    """A validated call of an AppendPlan or PromptQuantizer: ``launch(stream)`` issues it (an
+    empty batch issues nothing)."""
+
+    __slots__ = ("_runner", "_params", "_grid")
+
+    def __init__(self, runner: KernelRunner, params: AppendParams,
+                 grid: tuple[int, ...]) -> None:
+        self._runner, self._params, self._grid = runner, params, grid
+
+    def launch(self, stream: StreamLike) -> None:
+        runner = self._runner
+        runner._require_open()
+        if not all(self._grid):
+            return
+        ctypes.memmove(ctypes.addressof(runner._params), ctypes.addressof(self._params),
+                       ctypes.sizeof(AppendParams))
+        runner._launch(self._grid, stream)

@@ -1,4 +1,5 @@
-"""The compiled variants of the append kernels: what a variant is, its names, how it is built."""
+"""The compiled programs of the append family: append_token and quantize_prompt (append.cu),
+one program per (head_dim, dtype, scale mode, scale dtype, RoPE style)."""
 from __future__ import annotations
 
 import itertools
@@ -6,22 +7,11 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..compiler import CompiledProgram, CompileOptions, compile_cached
-from ..decode.params import ROPE_IDS
-from ..driver import Device, Kernel, Module
+from ..core import support
+from ..core.spec import KVCacheSpec
 
-SOURCE = "append.cu"
-HEAD_DIMS = (64, 128, 256)
-DTYPES = ("float16", "bfloat16")
-SCALE_MODES = ("tensor", "head", "token")
-TOKEN_SCALE_DTYPES = ("float32", "float16")
-ROPE_STYLES = (None, "neox", "gptj")
 THREADS = 512               # kThreads in append.cu
 PROMPT_TOKENS_PER_CTA = 8   # kPromptTokens in append.cu
-_MODE_ID = {"tensor": 0, "head": 1, "token": 2}
-_CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16"}
-# Scales are stored, not converted by tag: fp16 per-token scales travel as raw 16-bit words.
-_SCALE_STORAGE = {"float32": "float", "float16": "uint16_t"}
-_loaded: dict[tuple[int, "AppendVariant"], tuple[Module, Kernel, Kernel]] = {}
 
 
 @dataclass(frozen=True)
@@ -34,10 +24,15 @@ class AppendVariant:
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
     rope: str | None = None
 
+    @classmethod
+    def planned(cls, spec: KVCacheSpec, dtype: str) -> "AppendVariant":
+        return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.rope)
+
     def _arguments(self) -> str:
-        scale_t = _SCALE_STORAGE[self.scale_dtype if self.scale_mode == "token" else "float32"]
-        return (f"{self.head_dim}, {_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.dtype]}, "
-                f"{scale_t}, {ROPE_IDS[self.rope]}")
+        return (f"{self.head_dim}, {support.SCALE_MODE_IDS[self.scale_mode]}, "
+                f"{support.CXX_DTYPES[self.dtype]}, "
+                f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
+                f"{support.ROPE_IDS[self.rope]}")
 
     @property
     def append_kernel(self) -> str:
@@ -48,30 +43,19 @@ class AppendVariant:
         return f"llfd::quantize_prompt<{self._arguments()}>"
 
     @property
-    def kernel_names(self) -> list[str]:
-        """The name expressions this variant compiles (for ``python -m lowlevel_fd compile``)."""
-        return [self.append_kernel, self.prompt_kernel]
+    def kernel_names(self) -> tuple[str, ...]:
+        """(append_token, quantize_prompt): the order ``load_kernels`` returns them in."""
+        return (self.append_kernel, self.prompt_kernel)
 
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached(SOURCE, CompileOptions(arch=arch), tuple(self.kernel_names))
+        return compile_cached("append.cu", CompileOptions(arch=arch), self.kernel_names)
 
 
 def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[AppendVariant]:
     """Every variant the append plans can pick. ``num_warps`` is accepted for the CLI's
     family interface and ignored: the append kernels have one block size."""
-    for dim, dtype, rope in itertools.product(HEAD_DIMS, DTYPES, ROPE_STYLES):
-        for mode in SCALE_MODES:
-            for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
+    for dim, dtype, rope in itertools.product(support.HEAD_DIMS, support.DTYPES,
+                                              support.ROPE_STYLES):
+        for mode in support.SCALE_MODES:
+            for scale_dtype in support.SCALE_DTYPES[mode]:
                 yield AppendVariant(dim, dtype, mode, scale_dtype, rope)
-
-
-def load_variant(variant: AppendVariant, device: Device) -> tuple[Kernel, Kernel]:
-    """(append_token, quantize_prompt), compiled (cached on disk) and loaded once per device."""
-    key = (device.ordinal, variant)
-    if key not in _loaded:
-        program = variant.compile(device.arch)
-        module = Module(program.cubin, device)
-        _loaded[key] = (module, module.get_kernel(program.symbol(variant.append_kernel)),
-                        module.get_kernel(program.symbol(variant.prompt_kernel)))
-    _, append, prompt = _loaded[key]
-    return append, prompt

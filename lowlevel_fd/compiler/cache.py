@@ -1,7 +1,9 @@
 """Compile cache: in process, then on disk, keyed by everything that changes the CUBIN.
 
-The key is sha256 over the kernel sources (headers included), the NVRTC flags, the name
-expressions and the NVRTC version; the flags carry the arch. A disk entry is written to a
+The key is sha256 over the kernel source and the headers it includes (their names and bytes,
+never their absolute paths: a checkout and an installed package share entries), the NVRTC flags
+without the include path, the name expressions and the NVRTC version; the flags carry the arch.
+The sources are read once per process. A disk entry is written to a
 temporary file and ``os.replace``d into place, so readers never see half an entry, and two
 processes compiling the same variant both succeed. Each entry carries a checksum of its
 payload: a corrupt or truncated entry is a miss and is recompiled.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -22,9 +25,13 @@ from .nvrtc import (KERNEL_DIR, CompiledProgram, CompileOptions, KernelResources
                     compile_source, nvrtc_version)
 
 _MAGIC = b"LLFDCUBIN1\n"
-_memory: dict[str, CompiledProgram] = {}
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+# In-process entries by (kernel dir, source, options, names), and sources' digests.
+_memory: dict[tuple, CompiledProgram] = {}
+_digests: dict[tuple[Path, str], bytes] = {}
 _lock = threading.Lock()
 _disk_disabled_reason: str | None = None
+_nvrtc_compiles = 0
 
 
 def cache_dir() -> Path:
@@ -36,16 +43,27 @@ def cache_dir() -> Path:
 
 
 def _sources_digest(source_file: str) -> bytes:
-    digest = hashlib.sha256()
-    digest.update((KERNEL_DIR / source_file).read_bytes())
-    for header in sorted(KERNEL_DIR.glob("*.cuh")):  # any header may be included
-        digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    return digest.digest()
+    """sha256 over ``source_file`` and every header it includes from the kernel directory,
+    transitively (names and bytes); memoised per process."""
+    memo = (KERNEL_DIR, source_file)
+    if memo in _digests:
+        return _digests[memo]
+    digest, seen, pending = hashlib.sha256(), set(), [source_file]
+    while pending:
+        name = pending.pop()
+        if name in seen or not (KERNEL_DIR / name).is_file():
+            continue  # a system header, or one NVRTC resolves elsewhere
+        seen.add(name)
+        pending.extend(_INCLUDE.findall((KERNEL_DIR / name).read_text()))
+    for name in sorted(seen):
+        digest.update(name.encode() + b"\0" + (KERNEL_DIR / name).read_bytes() + b"\0")
+    return _digests.setdefault(memo, digest.digest())
 
 
 def cache_key(source_file: str, options: CompileOptions, name_expressions: Sequence[str]) -> str:
     digest = hashlib.sha256(_sources_digest(source_file))
-    digest.update(repr((options.flags(), tuple(name_expressions), nvrtc_version())).encode())
+    flags = [flag for flag in options.flags() if not flag.startswith("-I")]
+    digest.update(repr((flags, tuple(name_expressions), nvrtc_version())).encode())
     return digest.hexdigest()
 
 
@@ -109,24 +127,34 @@ def _write(path: Path, program: CompiledProgram) -> None:
 def compile_cached(source_file: str, options: CompileOptions,
                    name_expressions: Sequence[str] = ()) -> CompiledProgram:
     """Compile ``lowlevel_fd/cu/<source_file>`` unless this process or the disk has it."""
-    key = cache_key(source_file, options, name_expressions)
+    global _nvrtc_compiles
+    memo = (KERNEL_DIR, source_file, options, tuple(name_expressions))
     with _lock:
-        if key in _memory:
-            return _memory[key]
+        if memo in _memory:
+            return _memory[memo]
+    key = cache_key(source_file, options, name_expressions)
     path = cache_dir() / f"{Path(source_file).stem}-{options.arch}-{key[:32]}.bin"
     program = _read(path) if _disk_disabled_reason is None else None
     if program is None:
         source = (KERNEL_DIR / source_file).read_text()
         program = compile_source(source, source_file, options, name_expressions)
+        with _lock:
+            _nvrtc_compiles += 1
         if _disk_disabled_reason is None:
             _write(path, program)
     with _lock:
-        return _memory.setdefault(key, program)
+        return _memory.setdefault(memo, program)
+
+
+def nvrtc_compiles() -> int:
+    """How many programs this process has handed to NVRTC (cache misses)."""
+    return _nvrtc_compiles
 
 
 def clear_memory_cache() -> None:
-    """Forget in-process entries (tests use it to exercise the disk cache)."""
+    """Forget in-process entries and source digests (tests use it to exercise the disk cache)."""
     global _disk_disabled_reason
     with _lock:
         _memory.clear()
+        _digests.clear()
     _disk_disabled_reason = None

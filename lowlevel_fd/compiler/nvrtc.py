@@ -1,6 +1,7 @@
 """NVRTC: CUDA C++ source to CUBIN for one exact architecture, with a parsed ptxas report."""
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ def _check(function: str, out: Any) -> Any:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
     return tuple(_check("nvrtcVersion", _nvrtc.nvrtcVersion()))  # type: ignore[return-value]
 

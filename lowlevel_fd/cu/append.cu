@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads) append_token(const __grid_constant__
   load_round(0);
   const int pos = p.seq_lens[b];
   if (pos < 0 || pos >= p.capacity) {  // never write outside the cache; tell the host
-    if (threadIdx.x == 0) atomicOr(p.error_flags, kErrorPositionOutsideCache);
+    if (threadIdx.x == 0) atomicOr(p.error_flags, kErrorOutsideCache);
     return;
   }
   if constexpr (ROPE != kRopeNone) {
@@ -133,7 +133,7 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
     len = len < 0 ? 0 : p.prompt_tokens;
   }
   if (len > p.capacity) {  // never write outside the cache
-    if (reporter) atomicOr(p.error_flags, kErrorPositionOutsideCache);
+    if (reporter) atomicOr(p.error_flags, kErrorOutsideCache);
     len = p.capacity;
   }
   if (reporter && p.seq_lens_out != nullptr) p.seq_lens_out[b] = len;

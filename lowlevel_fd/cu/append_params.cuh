@@ -2,13 +2,9 @@
 // __grid_constant__ parameter; its Python twin is lowlevel_fd/append/params.py (same field
 // order, same types, same size).
 #pragma once
-#include "decode_params.cuh"  // ScaleMode: one definition shared with the decode kernel
+#include "kv_types.cuh"
 
 namespace llfd {
-
-// Bits of *error_flags, sticky until the host clears them.
-constexpr uint32_t kErrorPositionOutsideCache = 1u;  // a position < 0 or >= capacity: not written
-constexpr uint32_t kErrorPromptLength = 2u;          // a prompt length < 0 or > S: clamped
 
 struct AppendParams {
   const void* k_new;        // append: [B, Hkv, D]; prompt: [B, S, Hkv, D] or [B, Hkv, S, D]

@@ -4,9 +4,9 @@
 // K/V byte is read from memory once and used by all GROUP heads. Each warp streams 16-token
 // tiles of its split through a shared-memory pipeline (decode_pipeline.cuh) and keeps its own
 // online softmax; the CTA merges its warps, and the splits of one (batch, kv head) are merged
-// by the last CTA to finish (a device counter) or by decode_combine. The APPEND instantiation
-// also rotates, quantizes and writes each sequence's new token and attends it
-// (decode_append.cuh).
+// by the last CTA to finish (a device counter), inside a cluster, or by decode_combine
+// (decode_combine.cu). The APPEND instantiation also rotates, quantizes and writes each
+// sequence's new token and attends it (decode_append.cuh).
 //
 // Tokens are the M dimension of both m16n8k16 mmas, so a 16-token tile costs one mma per 16
 // dims for S^T = K Q^T and one per 16 dims for O^T += V^T P^T; heads (up to 8 per block) are N:
@@ -126,7 +126,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   // After the wait (early_reads): the error flag (nothing written; the host can read why).
   auto flag_position = [&]() __attribute__((always_inline)) {
     if constexpr (APPEND)
-      if (!appended) atomicOr(p.error_flags, 1u);
+      if (!appended) atomicOr(p.error_flags, kErrorOutsideCache);
   };
   if (!early) flag_position();
 
@@ -491,22 +491,6 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __threadfence();
   merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, smem);
   if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch
-}
-
-// Separate merge of the split partials; grid (kv head, batch), 128 threads, dynamic shared
-// memory of (kMaxSplits + 2) * GROUP floats.
-template <int HEAD_DIM, int GROUP, typename QT>
-__global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ DecodeParams p) {
-  extern __shared__ __align__(16) float scratch[];
-  wait_for_previous_grid();  // the partials come from decode_split
-  const int kvh = blockIdx.x, b = blockIdx.y;
-  int chunk, active;
-  bool appended;
-  if (p.append)
-    sequence_splits(p, p.seq_lens[b], appended, chunk, active);
-  else
-    split_range(clamped_length(p, b), p, chunk, active);
-  if (active > 1) merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, scratch);
 }
 
 }  // namespace llfd

@@ -14,6 +14,7 @@
 // A position outside [0, capacity) writes nothing, leaves q unrotated (as append_token does),
 // attends the min(max(pos, 0), capacity) cached tokens and sets bit 0 of error_flags.
 #pragma once
+#include "decode_params.cuh"
 #include "rows.cuh"
 
 namespace llfd {
@@ -161,16 +162,6 @@ __device__ __forceinline__ void new_token_scores(const DecodeParams& p,
       dot += to_float<QT>(sh.q[head][d]) * static_cast<float>(sh.k[d]);
     dot = warp_sum_xor(dot, 16);
     if (lane == 0) sh.score[head] = dot * sh.k_dequant * p.score_scale_log2;
-  }
-}
-
-// decode_step's end: seq_lens[b] += 1 where the fused append wrote (0 <= pos < capacity).
-__global__ void __launch_bounds__(256) advance_lengths(int32_t* seq_lens, int32_t batch,
-                                                       int32_t capacity) {
-  wait_for_previous_grid();  // the step's kernels read the positions first
-  for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < batch; b += gridDim.x * blockDim.x) {
-    const int pos = seq_lens[b];
-    if (pos >= 0 && pos < capacity) seq_lens[b] = pos + 1;
   }
 }
 

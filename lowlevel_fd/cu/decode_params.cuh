@@ -1,12 +1,9 @@
 // The argument block of the decode kernels. Passed by value as a __grid_constant__ parameter;
 // its Python twin is lowlevel_fd/decode/params.py (same field order, same types).
 #pragma once
-#include "common.cuh"
+#include "kv_types.cuh"
 
 namespace llfd {
-
-enum ScaleMode : int { kScalePerTensor = 0, kScalePerHead = 1, kScalePerToken = 2 };
-enum RopeStyle : int { kRopeNone = 0, kRopeNeox = 1, kRopeGptj = 2 };
 
 struct DecodeParams {
   const void* q;            // [B, Hq, D] fp16/bf16
@@ -74,7 +71,7 @@ __device__ __forceinline__ int clamped_length(const DecodeParams& p, int b) {
   int len = p.seq_lens[b];
   if (len > p.capacity || len < 0) {
     // Never read or write outside the cache: clamp, and leave a flag the host can read.
-    atomicOr(p.error_flags, 1u);
+    atomicOr(p.error_flags, kErrorOutsideCache);
     len = len < 0 ? 0 : p.capacity;
   }
   return len;

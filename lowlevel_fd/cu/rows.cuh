@@ -11,7 +11,7 @@
 // no contraction into an FMA), reciprocals by __fdiv_rn, round-half-even, clamp to +-127 before
 // the cast (never wraps).
 #pragma once
-#include "decode_params.cuh"
+#include "kv_types.cuh"
 
 namespace llfd {
 

@@ -26,7 +26,4 @@ class DecodeParams(ctypes.Structure):
                     "v_new_head_stride")])
 
 
-# RopeStyle in cu/decode_params.cuh: DecodeParams.rope and the append kernels' ROPE template.
-ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}
-
 assert ctypes.sizeof(DecodeParams) == 272, "must match sizeof(llfd::DecodeParams)"

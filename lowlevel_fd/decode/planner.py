@@ -25,9 +25,11 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
+from ..core import support
+from ..core import validate as check
 
 MAX_SPLITS = 128
 MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
@@ -36,13 +38,14 @@ MAX_GLOBAL_SPLITS = 64  # ... and for a merge through global memory
 SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU
 TWO_TILE_SPLIT_TOKENS = 1024  # the shortest split that takes two tiles per warp step (rule 7)
 TWO_TILE_HEAD_DIMS = (128,)  # where rule 7 was measured
+DEFAULT_WARPS = 8  # rule 1; every warp default (TileConfig, variants, the demo) derives from it
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """The tunables of one launch; ``tools/tune.py`` sweeps them."""
 
-    num_warps: int = 4
+    num_warps: int = DEFAULT_WARPS
     num_splits: int = 1
     min_split_tokens: int = 64
     fused_merge: bool = True
@@ -77,7 +80,7 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     """The split count and tile settings for a workload (see the module docstring). With
     ``clusters`` (sm_90) the splits merge through distributed shared memory."""
     pairs = work.batch * work.num_kv_heads
-    num_warps = num_warps or 8
+    num_warps = num_warps or DEFAULT_WARPS
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
     if 2 * pairs <= work.sm_count:
         wanted = _power_of_two_at_most(work.sm_count // pairs)
@@ -94,7 +97,7 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
         splits = max(MAX_PORTABLE_SPLITS,
                      min(splits, _power_of_two_at_most(max(1, work.max_len // (2 * min_tokens)))))
     cluster = merge_in_cluster and splits > 1
-    # Rule 7: one CTA per SM on at most half the SMs, each split >= 2048 tokens.
+    # Rule 7: one CTA per SM on at most half the SMs, each split >= TWO_TILE_SPLIT_TOKENS.
     tiles = 2 if (cluster and work.head_dim in TWO_TILE_HEAD_DIMS and
                   2 * pairs * splits <= work.sm_count and
                   work.max_len // splits >= TWO_TILE_SPLIT_TOKENS) else 1
@@ -112,10 +115,26 @@ def workspace_pairs_bound(max_batch: int, num_kv_heads: int, sm_count: int) -> i
     return max(max_batch * num_kv_heads * MAX_PORTABLE_SPLITS, sm_count)
 
 
-def lengths_summary(seq_lens: np.ndarray) -> tuple[int, int]:
-    """(batch, longest) of a host array of lengths."""
-    return int(seq_lens.shape[0]), int(seq_lens.max(initial=0))
-
-
-def with_overrides(config: TileConfig, **overrides: object) -> TileConfig:
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+def check_config(config: Any) -> TileConfig:
+    """A caller's TileConfig, checked before anything is compiled for it. Whether the device
+    can run a cluster is checked where the device is known."""
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config: expected a TileConfig, got {type(config).__name__}")
+    for field in ("num_warps", "num_splits", "min_split_tokens", "stages", "tiles"):
+        check.integer(f"config.{field}", getattr(config, field))
+    for field in ("fused_merge", "cluster", "programmatic"):
+        check.flag(f"config.{field}", getattr(config, field))
+    check.choice("config.num_warps", int(config.num_warps), support.WARP_COUNTS)
+    check.choice("config.tiles", int(config.tiles), (1, 2))
+    if config.stages < 0 or config.stages == 1:  # decode.cu static_asserts STAGES >= 2
+        raise ValueError(f"config.stages: expected 0 (the head_dim's default) or at least 2, "
+                         f"got {config.stages}")
+    if not 1 <= config.num_splits <= MAX_SPLITS:
+        raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got {config.num_splits}")
+    if config.min_split_tokens < 16 or config.min_split_tokens % 16:
+        raise ValueError(f"config.min_split_tokens: expected a positive multiple of 16, "
+                         f"got {config.min_split_tokens}")
+    if config.cluster and config.num_splits > MAX_CLUSTER:
+        raise ValueError(f"config.cluster: a cluster holds 1..{MAX_CLUSTER} splits, got "
+                         f"{config.num_splits}")
+    return config

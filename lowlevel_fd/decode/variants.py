@@ -1,43 +1,34 @@
-"""The compiled variants of the decode kernels: what is a variant, its name, how it is built."""
+"""The compiled programs of the decode family: a variant of the split kernel (decode.cu), the
+separate merge (decode_combine.cu) and the length bump (lengths.cu), each its own program, so
+every distinct kernel is compiled once."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Union
 
 from ..compiler import CompiledProgram, CompileOptions, compile_cached
-from .planner import MAX_SPLITS, TWO_TILE_HEAD_DIMS
-
-SOURCE = "decode.cu"
-HEAD_DIMS = (64, 128, 256)
-GROUP_SIZES = (1, 2, 4, 8, 16)
-Q_DTYPES = ("float16", "bfloat16")
-SCALE_MODES = ("tensor", "head", "token")
-TOKEN_SCALE_DTYPES = ("float32", "float16")
-WARP_COUNTS = (2, 4, 8)
-PLANNER_WARPS = (8,)  # what the planner picks; the CI compiles these variants
+from ..core import support
+from ..core.spec import KVCacheSpec
+from .planner import DEFAULT_WARPS, MAX_SPLITS, TWO_TILE_HEAD_DIMS, TileConfig
 
 
 def default_stages(head_dim: int) -> int:
     """Tiles in flight per warp. Two (one loading while one is consumed) measured best at
     head_dim 128: deeper pipelines cost occupancy and did not stream faster (PERF_NOTES.md)."""
     return {64: 3, 128: 2, 256: 2}[head_dim]
-_MODE_ID = {"tensor": 0, "head": 1, "token": 2}
-_CXX_TYPE = {"float16": "llfd::f16", "bfloat16": "llfd::bf16", "float32": "float"}
-# Per-token scales are loaded by value: fp16 ones as raw 16-bit words (the f16 tag is empty).
-_SCALE_TYPE = {"float16": "uint16_t", "float32": "float"}
 
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    """One instantiation of decode_split (and its decode_combine)."""
+    """One instantiation of decode_split."""
 
     head_dim: int
     group_size: int
-    q_dtype: str = "float16"
+    dtype: str = "float16"
     scale_mode: str = "token"
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
-    num_warps: int = 4
+    num_warps: int = DEFAULT_WARPS
     stages: int = 0  # 0: default_stages(head_dim)
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
     tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
@@ -47,6 +38,13 @@ class DecodeVariant:
         if not self.stages:
             object.__setattr__(self, "stages", default_stages(self.head_dim))
 
+    @classmethod
+    def planned(cls, spec: KVCacheSpec, group_size: int, dtype: str, config: TileConfig, *,
+                append: bool = False) -> "DecodeVariant":
+        """The variant that a plan with this TileConfig launches."""
+        return cls(spec.head_dim, group_size, dtype, spec.scale_mode, spec.scale_dtype,
+                   config.num_warps, config.stages, config.cluster, config.tiles, append)
+
     @property
     def stage_bytes(self) -> int:
         """One 16-token tile of K and V plus 16 K and 16 V scales (cu/decode_pipeline.cuh)."""
@@ -55,18 +53,15 @@ class DecodeVariant:
 
     @property
     def split_kernel(self) -> str:
-        scale_t = _SCALE_TYPE[self.scale_dtype if self.scale_mode == "token" else "float32"]
         return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
-                f"{_MODE_ID[self.scale_mode]}, {_CXX_TYPE[self.q_dtype]}, {scale_t}, {self.stages}, "
-                f"{'true' if self.cluster else 'false'}, {self.tiles}, "
-                f"{'true' if self.append else 'false'}>")
+                f"{support.SCALE_MODE_IDS[self.scale_mode]}, {support.CXX_DTYPES[self.dtype]}, "
+                f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, {self.stages}, "
+                f"{support.cxx_bool(self.cluster)}, {self.tiles}, "
+                f"{support.cxx_bool(self.append)}>")
 
     @property
-    def combine_kernel(self) -> str:
-        return (f"llfd::decode_combine<{self.head_dim}, {self.group_size}, "
-                f"{_CXX_TYPE[self.q_dtype]}>")
-
-    advance_kernel = "llfd::advance_lengths"  # the fused-append step's length bump
+    def kernel_names(self) -> tuple[str, ...]:
+        return (self.split_kernel,)
 
     @property
     def threads(self) -> int:
@@ -101,24 +96,65 @@ class DecodeVariant:
         return offset + self.cluster_slots_bytes(num_splits), offset
 
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached(SOURCE, CompileOptions(arch=arch),
-                              (self.split_kernel, self.combine_kernel, self.advance_kernel))
+        return compile_cached("decode.cu", CompileOptions(arch=arch), self.kernel_names)
 
 
-def shipped_variants(num_warps: tuple[int, ...] = PLANNER_WARPS) -> Iterator[DecodeVariant]:
-    """Every variant the planner can pick (the CI compiles all of them): ``num_warps`` warps,
+@dataclass(frozen=True)
+class CombineVariant:
+    """decode_combine for one (head_dim, group, dtype): the merge when fused_merge is off."""
+
+    head_dim: int
+    group_size: int
+    dtype: str = "float16"
+
+    threads = 128
+
+    @property
+    def shared_bytes(self) -> int:
+        """The merge weights: (MAX_SPLITS + 2) x GROUP floats."""
+        return (MAX_SPLITS + 2) * self.group_size * 4
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return (f"llfd::decode_combine<{self.head_dim}, {self.group_size}, "
+                f"{support.CXX_DTYPES[self.dtype]}>",)
+
+    def compile(self, arch: str) -> CompiledProgram:
+        return compile_cached("decode_combine.cu", CompileOptions(arch=arch), self.kernel_names)
+
+
+@dataclass(frozen=True)
+class LengthsProgram:
+    """advance_lengths: seq_lens[b] += 1 where a fused append wrote (one kernel for all)."""
+
+    threads = 256
+    kernel_names = ("llfd::advance_lengths",)
+
+    def compile(self, arch: str) -> CompiledProgram:
+        return compile_cached("lengths.cu", CompileOptions(arch=arch), self.kernel_names)
+
+
+LENGTHS = LengthsProgram()
+Program = Union[DecodeVariant, CombineVariant, LengthsProgram]
+
+
+def shipped_variants(num_warps: tuple[int, ...] = (DEFAULT_WARPS,)) -> Iterator[Program]:
+    """Every program the planner can pick (the CI compiles all of them): ``num_warps`` warps,
     one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
-    planner rule 7 (head_dim 128, groups up to 8); each also with the fused append. Other
-    two-tile variants compile on demand."""
-    for dim, group, q_dtype in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES):
+    planner rule 7 (head_dim 128, groups up to 8); each also with the fused append; the merges
+    and the length bump. Other two-tile variants compile on demand."""
+    for dim, group, dtype in itertools.product(support.HEAD_DIMS, support.GROUP_SIZES,
+                                               support.DTYPES):
         two_tiles = dim in TWO_TILE_HEAD_DIMS and group <= 8
-        for mode in SCALE_MODES:
-            for scale_dtype in (TOKEN_SCALE_DTYPES if mode == "token" else ("float32",)):
+        for mode in support.SCALE_MODES:
+            for scale_dtype in support.SCALE_DTYPES[mode]:
                 for warps, append in itertools.product(num_warps, (False, True)):
                     for cluster in (False, True):
-                        yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
+                        yield DecodeVariant(dim, group, dtype, mode, scale_dtype,
                                             num_warps=warps, cluster=cluster, append=append)
                     if two_tiles:
-                        yield DecodeVariant(dim, group, q_dtype, mode, scale_dtype,
+                        yield DecodeVariant(dim, group, dtype, mode, scale_dtype,
                                             num_warps=warps, cluster=True, tiles=2,
                                             append=append)
+        yield CombineVariant(dim, group, dtype)
+    yield LENGTHS

@@ -10,9 +10,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..driver import Device, DeviceArray, as_device_array, dtypes
-from .planner import MAX_CLUSTER, MAX_SPLITS, TileConfig
-
-NUM_WARPS = (2, 4, 8, 16)  # warps per CTA a TileConfig may ask for (512 threads at most)
 
 _DTYPES = {name: dtypes.as_dtype(name) for name in ("int8", "int32", "float16", "bfloat16",
                                                      "float32", "uint16")}
@@ -31,6 +28,14 @@ def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def positive(name: str, value: Any, limit: int = 2**31) -> int:
+    """``value`` as an int in [1, limit)."""
+    number = integer(name, value)
+    if not 1 <= number < limit:
+        raise ValueError(f"{name}: expected an int in [1, {limit}), got {number}")
+    return number
 
 
 def real(name: str, value: Any) -> float:
@@ -70,31 +75,6 @@ def device_option(device: Any) -> Device:
         return device
     raise TypeError(f"device: expected a lowlevel_fd.driver.Device (or None for device 0), "
                     f"got {type(device).__name__} {device!r}")
-
-
-def tile_config(config: Any) -> None:
-    """A caller's TileConfig, checked before anything is compiled for it. Whether the device
-    can run a cluster is checked where the device is known."""
-    if not isinstance(config, TileConfig):
-        raise TypeError(f"config: expected a TileConfig, got {type(config).__name__}")
-    for field in ("num_warps", "num_splits", "min_split_tokens", "stages"):
-        integer(f"config.{field}", getattr(config, field))
-    for field in ("fused_merge", "cluster", "programmatic"):
-        flag(f"config.{field}", getattr(config, field))
-    choice("config.num_warps", int(config.num_warps), NUM_WARPS)
-    integer("config.tiles", config.tiles)
-    choice("config.tiles", int(config.tiles), (1, 2))
-    if config.stages < 0 or config.stages == 1:  # decode.cu static_asserts STAGES >= 2
-        raise ValueError(f"config.stages: expected 0 (the head_dim's default) or at least 2, "
-                         f"got {config.stages}")
-    if not 1 <= config.num_splits <= MAX_SPLITS:
-        raise ValueError(f"config.num_splits: expected 1..{MAX_SPLITS}, got {config.num_splits}")
-    if config.min_split_tokens < 16 or config.min_split_tokens % 16:
-        raise ValueError(f"config.min_split_tokens: expected a positive multiple of 16, "
-                         f"got {config.min_split_tokens}")
-    if config.cluster and config.num_splits > MAX_CLUSTER:
-        raise ValueError(f"config.cluster: a cluster holds 1..{MAX_CLUSTER} splits, got "
-                         f"{config.num_splits}")
 
 
 def choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -232,3 +212,28 @@ def host_array(name: str, values: Any) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: expected a 1-D sequence of integer lengths, got a "
                          f"{type(values).__name__} numpy cannot read as an array ({exc})") from None
+
+
+def device_lengths(name: str, obj: Any, device: Device | None, batch: int | None) -> DeviceArray:
+    """Per-sequence lengths on the device: int32 ``[B]``, contiguous."""
+    array = device_array(name, obj, device)
+    dtype(name, array, ("int32",))
+    shape(name, array, (batch,), "[B]")
+    contiguous(name, array)
+    return array
+
+
+def host_within(name: str, values: Any, batch: int, limit: int, what: str) -> None:
+    """The capacity check the host can make before a launch: a host copy of device lengths,
+    when the caller has one, must lie in [0, limit]; ``what`` says which limit."""
+    if values is None:
+        return
+    host = host_array(name, values)
+    if host.shape != (batch,) or not np.issubdtype(host.dtype, np.integer):
+        raise ValueError(f"{name}: expected {batch} integer lengths, got {host.dtype} "
+                         f"{host.shape}")
+    bad = np.flatnonzero((host < 0) | (host > limit))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{name}: sequence {b} has length {int(host[b])}, outside [0, {limit}] "
+                         f"({what}); nothing was launched")

@@ -1,0 +1,75 @@
+"""KVCacheSpec: what an INT8 KV cache is, validated once and shared by every plan over it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import support
+from . import validate as check
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The cache that a model's plans read and write: ``num_kv_heads`` KV heads of ``head_dim``
+    int8 values per token, stored as ``kv_layout`` (``"bnsh"`` = ``[B, Hkv, S_max, D]``,
+    ``"bsnh"`` = ``[B, S_max, Hkv, D]``), dequantized as ``int8 * scale`` with one fp32 scale
+    per tensor (``scale_mode="tensor"``), per KV head (``"head"``) or an fp32/fp16 scale per
+    token and KV head (``"token"``, ``scale_dtype``), and, when ``rope`` is ``"neox"`` or
+    ``"gptj"``, keys stored rotated by RoPE with base ``rope_theta``.
+
+    Every field is checked here, once; a plan built on the spec checks only its own options.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    kv_layout: str = "bnsh"
+    scale_mode: str = "token"
+    scale_dtype: str = "float32"
+    rope: str | None = None
+    rope_theta: float = 10000.0
+    cache_dtype: str = "int8"
+
+    def __post_init__(self) -> None:
+        num_kv_heads = check.positive("num_kv_heads", self.num_kv_heads)
+        head_dim = check.integer("head_dim", self.head_dim)
+        check.choice("head_dim", head_dim, support.HEAD_DIMS)
+        check.choice("kv_layout", self.kv_layout, support.KV_LAYOUTS)
+        check.choice("scale_mode", self.scale_mode, support.SCALE_MODES)
+        scale_dtype = check.dtype_option("scale_dtype", self.scale_dtype,
+                                         support.SCALE_DTYPES[self.scale_mode])
+        cache_dtype = check.dtype_option("cache_dtype", self.cache_dtype, support.CACHE_DTYPES)
+        check.choice("rope", self.rope, support.ROPE_STYLES)
+        theta = check.real("rope_theta", self.rope_theta)
+        if not theta > 1.0:
+            raise ValueError(f"rope_theta: expected a finite base > 1, got {self.rope_theta!r}")
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("scale_dtype", scale_dtype), ("cache_dtype", cache_dtype),
+                            ("rope_theta", theta)):
+            object.__setattr__(self, name, value)  # normalised: plain ints, floats and names
+
+    @property
+    def token_scales(self) -> bool:
+        """Scales per token and KV head: arrays ``[B, Hkv, S_max]`` the appends write."""
+        return self.scale_mode == "token"
+
+    @property
+    def scale_storage(self) -> str:
+        """The C++ type of one stored scale (kernel template argument)."""
+        return support.scale_storage(self.scale_mode, self.scale_dtype)
+
+    def group_size(self, num_q_heads: Any) -> int:
+        """Query heads per KV head for ``num_q_heads``, checked against the support matrix."""
+        num_q_heads = check.positive("num_q_heads", num_q_heads)
+        if num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads="
+                             f"{self.num_kv_heads}, got {num_q_heads}")
+        group = num_q_heads // self.num_kv_heads
+        check.choice("group size (num_q_heads // num_kv_heads)", group, support.GROUP_SIZES)
+        return group
+
+
+def cache_spec(cache: Any) -> KVCacheSpec:
+    """A plan's ``cache`` argument: a KVCacheSpec (TypeError otherwise)."""
+    if not isinstance(cache, KVCacheSpec):
+        raise TypeError(f"cache: expected a KVCacheSpec, got {type(cache).__name__} {cache!r}")
+    return cache
