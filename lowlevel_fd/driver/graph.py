@@ -37,6 +37,18 @@ class Graph:
         self._require()
         return int(cu.cuGraphGetNodes(self.handle, 0)[1])
 
+    def node_kinds(self) -> dict[str, int]:
+        """How many nodes of each type (``kernel``, ``memcpy``, ``memset``, ...) it holds."""
+        self._require()
+        count = self.node_count
+        nodes, _ = cu.cuGraphGetNodes(self.handle, count)
+        prefix = "CU_GRAPH_NODE_TYPE_"
+        kinds: dict[str, int] = {}
+        for node in nodes[:count]:
+            kind = raw.CUgraphNodeType(cu.cuGraphNodeGetType(node)).name[len(prefix):].lower()
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
+
     def _require(self) -> None:
         if self.executable is None or self.closed:
             raise RuntimeError("graph: not instantiated (capture did not finish) or closed")
