@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..core import validate as check
-from ..core.binding import CacheArrays, check_cache, rope_table, wrap_cache, write_cache_fields
+from ..core.binding import (CacheArrays, check_cache, rope_table, wrap_cache,
+                            write_cache_fields)
 from ..driver import DeviceArray
 from .params import AppendParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -213,9 +213,6 @@ class Module:
         if name not in self._kernels:
             self._kernels[name] = Kernel(self, name)
         return self._kernels[name]
-
-    def kernels(self, names: Sequence[str]) -> list[Kernel]:
-        return [self.get_kernel(n) for n in names]
 
     @property
     def closed(self) -> bool:
