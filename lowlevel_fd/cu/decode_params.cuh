@@ -39,9 +39,30 @@ struct DecodeParams {
   const float* cos_sin;     //   [max_pos >= capacity, D/2, 2] fp32, or null
   int64_t k_new_batch_stride, k_new_head_stride;  // elements
   int64_t v_new_batch_stride, v_new_head_stride;  // elements
+  // The query heads: group_size per KV head, served by head_chunks CTAs of chunk_heads heads
+  // (at most the kernel's GROUP) each; grid.x = num_kv_heads * head_chunks.
+  int32_t group_size;
+  int32_t head_chunks;
+  int32_t chunk_heads;
 };
 
-static_assert(sizeof(DecodeParams) == 272, "keep in sync with lowlevel_fd/decode/params.py");
+static_assert(sizeof(DecodeParams) == 288, "keep in sync with lowlevel_fd/decode/params.py");
+
+// The query heads one CTA serves: `heads` (<= GROUP) consecutive heads from `first`, of KV head
+// `kvh`; `slot` numbers the (kv head, chunk) pairs of a sequence (blockIdx.x), `slots` counts
+// them (the split workspace and the merge counters are indexed by slot).
+struct HeadChunk {
+  int kvh, chunk, first, heads, slot, slots;
+  __device__ __forceinline__ HeadChunk(const DecodeParams& p, int x)
+      : kvh(x / p.head_chunks), chunk(x - kvh * p.head_chunks),
+        first(kvh * p.group_size + chunk * p.chunk_heads),
+        heads(min(p.chunk_heads, p.group_size - chunk * p.chunk_heads)), slot(x),
+        slots(p.num_kv_heads * p.head_chunks) {}
+  // out/lse row of the chunk's head h of sequence b: heads are numbered b * Hq + head.
+  __device__ __forceinline__ int64_t row(const DecodeParams& p, int b, int h) const {
+    return static_cast<int64_t>(b) * p.num_kv_heads * p.group_size + first + h;
+  }
+};
 
 // How many splits sequence `len` uses and how many tokens each gets (a multiple of 16).
 // Computed on the device from the live length, so a captured graph stays right as lengths grow.
