@@ -190,6 +190,7 @@ class DecodeStep:
                             f"{type(layer).__name__}")
         caches = (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale)
         try:
+            capacity = self._capacity(layer.k_cache, lengths.shape[0])
             if self.fused:
                 calls: tuple = (self.attention.prepare_append_and_run(
                     layer.q, layer.k_new, layer.v_new, *caches, lengths, layer.out,
@@ -205,14 +206,20 @@ class DecodeStep:
                     advance=first),
                     self.attention.prepare_run(layer.q, *caches, lengths, layer.out,
                                                lse=layer.lse))
-            capacity = layout_strides(self.cache, check.device_array("k_cache", layer.k_cache,
-                                                                     self.device))[0]
-            check.host_within("seq_lens", self._host_lengths, lengths.shape[0], capacity - 1,
-                              f"the new token must land below the cache capacity "
-                              f"S_max={capacity}")
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{name}.{exc}") from None
         return calls, capacity
+
+    def _capacity(self, k_cache: Any, batch: int) -> int:
+        """The cache capacity S_max, checked against the planned host lengths first (a more
+        precise message than the binder's); a malformed cache is left to the binder."""
+        k = check.device_array("k_cache", k_cache, self.device)
+        if k.ndim != 4:
+            return 0
+        capacity = layout_strides(self.cache, k)[0]
+        check.host_within("seq_lens", self._host_lengths, batch, capacity - 1,
+                          f"the new token must land below the cache capacity S_max={capacity}")
+        return capacity
 
     # -- run ----------------------------------------------------------------------------------
     def capture(self, layers: Sequence[Any], seq_lens: Any, stream: StreamLike) -> Graph:

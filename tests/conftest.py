@@ -1,7 +1,9 @@
-"""Test configuration: the ``gpu`` marker skips cleanly when no CUDA device is visible."""
+"""Test configuration: the ``gpu`` marker skips cleanly when no CUDA device is visible, and the
+report header names the lowlevel_fd under test (the installed package or the checkout)."""
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,17 @@ HAS_GPU = gpu_available()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which lowlevel_fd the run tests: CI installs the wheel and must not test the checkout
+    (test_cli.py fails the run when LOWLEVEL_FD_REQUIRE_INSTALLED=1 and it does)."""
+    import lowlevel_fd
+
+    package = Path(lowlevel_fd.__file__).resolve().parent
+    checkout = Path(__file__).resolve().parents[1]
+    where = "the checkout" if checkout in package.parents else "installed"
+    return [f"lowlevel_fd under test: {lowlevel_fd.__version__} from {package} ({where})"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -27,7 +27,7 @@ class Case:
     kv_layout: str = "bnsh"
     scale_mode: str = "token"
     scale_dtype: str = "float32"
-    q_dtype: str = "float16"
+    dtype: str = "float16"  # of q and out (the plans' ``dtype``)
     host: dict[str, np.ndarray] = field(default_factory=dict)
     device: dict[str, DeviceArray] = field(default_factory=dict)
 
@@ -53,7 +53,7 @@ class Case:
                 "token": (self.batch, self.num_kv_heads, self.capacity)}[self.scale_mode]
 
     def fill_host(self, rng: np.random.Generator) -> None:
-        qt = dtypes.as_dtype(self.q_dtype)
+        qt = dtypes.as_dtype(self.dtype)
         h = self.host
         h["q"] = rng.standard_normal((self.batch, self.num_q_heads, self.head_dim)).astype(qt)
         h["k"] = rng.integers(-127, 128, self.cache_shape(), dtype=np.int8)
@@ -68,17 +68,18 @@ class Case:
     def upload(self) -> dict[str, DeviceArray]:
         for name, value in self.host.items():
             self.device[name] = DeviceArray.from_numpy(value)
-        qt = dtypes.as_dtype(self.q_dtype)
+        qt = dtypes.as_dtype(self.dtype)
         self.device["out"] = DeviceArray.empty(self.host["q"].shape, qt)
         self.device["lse"] = DeviceArray.empty((self.batch, self.num_q_heads), np.float32)
         return self.device
 
     def make_plan(self, **options: Any) -> DecodePlan:
-        return DecodePlan(self.num_q_heads, self.num_kv_heads, self.head_dim,
-                          max_batch=max(self.batch, options.pop("max_batch", 1)),
-                          max_seq_len=self.capacity, q_dtype=self.q_dtype,
-                          kv_layout=self.kv_layout, scale_mode=self.scale_mode,
-                          scale_dtype=self.scale_dtype, **options)
+        """A DecodePlan for this case (``options``: DecodePlan.create's, e.g. rope, sm_scale)."""
+        return DecodePlan.create(self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                 max_batch=max(self.batch, options.pop("max_batch", 1)),
+                                 max_seq_len=self.capacity, dtype=self.dtype,
+                                 kv_layout=self.kv_layout, scale_mode=self.scale_mode,
+                                 scale_dtype=self.scale_dtype, **options)
 
     def run(self, plan: DecodePlan, stream: Any, *, config: TileConfig | None = None,
             replan: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +109,7 @@ class Case:
         assert not np.isnan(lse).any(), "an lse element was not written"
         scale = max(np.abs(ref_out).max(), 1e-30)
         error = float(np.abs(out - ref_out).max() / scale)
-        assert error <= TOLERANCE[self.q_dtype], f"max|out-ref|/max|ref| = {error:.3e}"
+        assert error <= TOLERANCE[self.dtype], f"max|out-ref|/max|ref| = {error:.3e}"
         finite = np.isfinite(ref_lse)
         assert np.array_equal(np.isfinite(lse), finite), "lse: -inf exactly for empty rows"
         np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-3)

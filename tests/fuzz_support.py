@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowlevel_fd.append import runner as append_runner
+from lowlevel_fd.core import loader as core_loader
 from lowlevel_fd.decode import plan as decode_plan
 from lowlevel_fd.driver import CudaError, DeviceArray, Kernel, PreparedLaunch, dtypes
-from lowlevel_fd.driver.memory import _contiguous_strides as contiguous_strides
 from lowlevel_fd.driver import module as driver_module
 from lowlevel_fd.driver._api import cu, raw
+from stand_ins import DEVICE, OPEN, OTHER_DEVICE, Owner, contiguous_strides, fake
 
 EXAMPLES = 500
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -47,31 +48,7 @@ PARTNERS = {"k_cache": ("v_cache",), "v_cache": ("k_cache",), "k_scale": ("v_sca
             "v_new": ("k_new",)}
 
 
-# -- stand-ins: no GPU behind any of them -------------------------------------------------------
-class StandInDevice:
-    """Enough of a Device for code that never reaches the GPU: the checks compare identity."""
-    arch, compute_capability, sm_count = "sm_90", (9, 0), 132
-
-    def __init__(self, ordinal: int) -> None:
-        self.ordinal = ordinal
-
-    def __repr__(self) -> str:
-        return f"StandInDevice({self.ordinal})"
-
-
-DEVICE, OTHER_DEVICE = StandInDevice(0), StandInDevice(1)
-
-
-class Owner:
-    """The owner of fake device memory: an Allocation, open or closed."""
-
-    def __init__(self, closed: bool) -> None:
-        self.closed = closed
-
-
-OPEN = Owner(False)
-
-
+# -- stand-ins: no GPU behind any of them (the device and fake memory are tests/stand_ins.py's)
 class StandInKernel:
     """A loaded kernel as plan() sees it; ``prepare`` is the real packing."""
     handle = None
@@ -127,8 +104,9 @@ def nothing_launches(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(PreparedLaunch, "launch", refuse("PreparedLaunch.launch"))
     monkeypatch.setattr(driver_module, "launch", refuse("driver.module.launch"))
     monkeypatch.setattr(append_runner.KernelRunner, "_launch", refuse("KernelRunner._launch"))
-    monkeypatch.setattr(decode_plan, "load_variant", refuse("decode.plan.load_variant"))
-    monkeypatch.setattr(append_runner, "load_variant", refuse("append.runner.load_variant"))
+    monkeypatch.setattr(core_loader, "load_kernels", refuse("core.loader.load_kernels"))
+    monkeypatch.setattr(decode_plan, "load_kernels", refuse("decode.plan.load_kernels"))
+    monkeypatch.setattr(append_runner, "load_kernels", refuse("append.runner.load_kernels"))
     for name in ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
                  "cuGraphLaunch"):
         monkeypatch.setattr(cu, name, refuse(name), raising=False)
@@ -174,15 +152,6 @@ def assert_rejected(call: Callable[[], Any], names: tuple[str, ...], context: An
     assert any(re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", subject) for n in names), (
         f"the message is not about {' or '.join(names)}: {message!r} ({context})")
     return message
-
-
-def fake(ptr: int, shape: tuple[int, ...], dtype: str, *, pool: tuple[int, ...] | None = None,
-         strides: tuple[int, ...] | None = None, device: Any = DEVICE,
-         owner: Any = OPEN) -> DeviceArray:
-    """Fake device memory at ``ptr``: a view of ``pool`` (default: contiguous)."""
-    itemsize = dtypes.as_dtype(dtype).itemsize
-    strides = strides or contiguous_strides(pool or shape, itemsize)
-    return DeviceArray(ptr, shape, dtype, device, strides, owner=owner)
 
 
 def shifted(array: DeviceArray, by: int) -> DeviceArray:
@@ -375,7 +344,7 @@ def bad_host_lengths(draw: st.DrawFn, count: int, limit: int, *, exact: bool = T
         return kind, None
     if kind == "objects":
         return kind, [None] + valid[1:]
-    return kind, fake(1 << 32, (count,), "int32")
+    return kind, fake((count,), "int32", ptr=1 << 32)
 
 
 def mutate(draw: st.DrawFn, pick: tuple[int, int], goods: dict[str, Any],

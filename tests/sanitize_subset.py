@@ -34,6 +34,7 @@ from decode_case import TOLERANCE, Case  # noqa: E402  (tests/ is this script's 
 from append_case import cache_state  # noqa: E402
 from test_fused_append_gpu import Fused  # noqa: E402
 
+from lowlevel_fd import ERROR_OUTSIDE_CACHE, ERROR_PROMPT_LENGTH  # noqa: E402
 from lowlevel_fd.append import AppendPlan, PromptQuantizer  # noqa: E402
 from lowlevel_fd.append.reference import append_ref, prompt_ref  # noqa: E402
 from lowlevel_fd.decode import TileConfig  # noqa: E402
@@ -79,8 +80,8 @@ def decode(lengths: list[int], *, config: TileConfig | None = None, lse: bool = 
                 reference, _ = c.reference()
                 out = d["out"].numpy().astype(np.float64)
                 error = np.abs(out - reference).max() / np.abs(reference).max()
-                assert error <= TOLERANCE[c.q_dtype], f"max|out-ref|/max|ref| = {error:.3e}"
-            assert plan.error_flags() == 0
+                assert error <= TOLERANCE[c.dtype], f"max|out-ref|/max|ref| = {error:.3e}"
+            assert plan.error_flags(stream=stream) == 0
     return run
 
 
@@ -113,17 +114,18 @@ def decode_guard(config: TileConfig | None) -> Callable[[np.random.Generator, St
         d["seq_lens"].copy_from_numpy(np.asarray(device_lengths, np.int32))
         with c.make_plan() as plan:
             out, lse = c.run(plan, stream, config=config)
-            assert plan.error_flags() & 1, "lengths beyond the capacity are flagged"
+            assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, (
+                "lengths beyond the capacity are flagged")
             c.check(out, lse)
     return run
 
 
 for layout in LAYOUTS:
     for mode, scale_dtype in MODES:
-        for q_dtype in ("float16", "bfloat16"):
-            case(f"decode {layout} {mode}/{scale_dtype} {q_dtype}",
+        for dtype in ("float16", "bfloat16"):
+            case(f"decode {layout} {mode}/{scale_dtype} {dtype}",
                  decode([65, 1, 0, 300], kv_layout=layout, scale_mode=mode,
-                        scale_dtype=scale_dtype, q_dtype=q_dtype))
+                        scale_dtype=scale_dtype, dtype=dtype))
 case("decode odd lengths 1 63 65 1025", decode([1, 63, 65, 1025]))
 case("decode ragged batch with empty sequences", decode([0, 5, 1025, 0, 77], kv_layout="bsnh"))
 case("decode head_dim 64 group 16", decode([129, 7], num_q_heads=32, head_dim=64))
@@ -169,13 +171,14 @@ def append(kv_layout: str, scale_mode: str, scale_dtype: str, *, dtype: str = "f
         if rope:
             extra = {"q": d_q, "q_out": d_q_out,
                      "cos_sin": DeviceArray.from_numpy(cos_sin) if table else None}
-        with AppendPlan(heads * group, heads, head_dim, max_batch=batch, kv_layout=kv_layout,
-                        scale_mode=scale_mode, scale_dtype=scale_dtype, dtype=dtype,
-                        rope=rope) as plan:
+        with AppendPlan.create(heads * group, heads, head_dim, max_batch=batch,
+                               kv_layout=kv_layout, scale_mode=scale_mode,
+                               scale_dtype=scale_dtype, dtype=dtype, rope=rope) as plan:
             plan.run(DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), d["k_cache"],
                      d["v_cache"], d["k_scale"], d["v_scale"], d["seq_lens"], advance=True,
                      stream=stream, **extra)
-            assert plan.error_flags(stream=stream) & 1, "positions 40 and -1 are flagged"
+            assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, (
+                "positions 40 and -1 are flagged")
         got = {name: array.numpy() for name, array in d.items()}
         q_ref = append_ref(host["k_cache"], host["v_cache"], host["k_scale"], host["v_scale"],
                            host["seq_lens"], k_new, v_new, kv_layout=kv_layout,
@@ -215,9 +218,9 @@ def prompt(prompt_layout: str, kv_layout: str, *, scale_mode: str = "token",
         k, v = (tokens(rng, shape, "float16") for _ in range(2))
         d = {name: DeviceArray.from_numpy(value) for name, value in host.items()}
         written = DeviceArray.full(batch, -7, np.int32)
-        with PromptQuantizer(heads, head_dim, max_batch=batch, kv_layout=kv_layout,
-                             prompt_layout=prompt_layout, scale_mode=scale_mode,
-                             scale_dtype=scale_dtype, rope=rope) as quantizer:
+        with PromptQuantizer.create(heads, head_dim, max_batch=batch, kv_layout=kv_layout,
+                                    prompt_layout=prompt_layout, scale_mode=scale_mode,
+                                    scale_dtype=scale_dtype, rope=rope) as quantizer:
             quantizer.run(DeviceArray.from_numpy(k), DeviceArray.from_numpy(v), d["k_cache"],
                           d["v_cache"], d["k_scale"], d["v_scale"], d["seq_lens"],
                           seq_lens_out=written, stream=stream)
@@ -227,8 +230,8 @@ def prompt(prompt_layout: str, kv_layout: str, *, scale_mode: str = "token",
                               prompt_layout=prompt_layout, scale_mode=scale_mode,
                               scale_dtype=scale_dtype, rope=rope)
         clipped = np.clip(lengths, 0, tokens_per_prompt)
-        assert flags == (int((clipped != np.asarray(lengths)).any()) << 1
-                         | int((clipped > capacity).any()))
+        assert flags == (ERROR_PROMPT_LENGTH * int((clipped != np.asarray(lengths)).any())
+                         | ERROR_OUTSIDE_CACHE * int((clipped > capacity).any()))
         assert written.numpy().tolist() == expected.tolist()
         got = {name: d[name].numpy() for name in ("k_cache", "v_cache", "k_scale", "v_scale")}
         np.testing.assert_array_equal(got["v_cache"], host["v_cache"])
@@ -268,7 +271,7 @@ def fused(positions: list[int], config: TileConfig | None = None, **options: obj
         call = Fused(rng, positions, capacity=1090, **options)
         call.check(*call.run(stream, config))
         outside = any(not 0 <= x < 1090 for x in positions)
-        assert bool(call.plan.error_flags() & 1) == outside
+        assert bool(call.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE) == outside
         lengths = DeviceArray.from_numpy(np.asarray(positions, np.int32))
         call.plan.advance_lengths(lengths, 1090, stream=stream)
         expected = [x + 1 if 0 <= x < 1090 else x for x in positions]
@@ -282,7 +285,7 @@ case("fused append neox table, cluster merge",
                                      cluster=True), rope="neox", table=True))
 case("fused append gptj theta fp16 scales bsnh bf16, global merge",
      fused([17, 1089], TileConfig(num_warps=8, num_splits=5, min_split_tokens=128),
-           rope="gptj", kv_layout="bsnh", scale_dtype="float16", q_dtype="bfloat16"))
+           rope="gptj", kv_layout="bsnh", scale_dtype="float16", dtype="bfloat16"))
 case("fused append tensor scales, combine kernel, head_dim 256",
      fused([300, 2], TileConfig(num_warps=4, num_splits=3, min_split_tokens=64,
                                 fused_merge=False), scale_mode="tensor", head_dim=256))

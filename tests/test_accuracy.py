@@ -3,17 +3,12 @@ unquantized fp16 attention, the data it is measured on, and how the table is pri
 spliced into the README."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import accuracy as tool  # noqa: E402
-from lowlevel_fd.accuracy import (SCALE_MODES, ErrorRow, Shape, errors,  # noqa: E402
-                                  make_data, markdown_table, measure)
+import accuracy as tool  # tools/accuracy.py: tools/ is on pytest's pythonpath (pyproject.toml)
+from lowlevel_fd.accuracy import (SCALE_MODES, ErrorRow, Shape, errors, make_data,
+                                  markdown_table, measure)
 
 TOKEN_MODES = ("token-fp32", "token-fp16")
 

@@ -6,29 +6,18 @@ import re
 
 import numpy as np
 import pytest
+from stand_ins import DEVICE, OTHER_DEVICE, fake
 
+from lowlevel_fd import KVCacheSpec
 from lowlevel_fd.append import AppendPlan, PromptQuantizer, shipped_variants
 from lowlevel_fd.append.reference import append_ref, prompt_ref, quantize_rows
 from lowlevel_fd.append.params import AppendParams
 from lowlevel_fd.compiler import clear_memory_cache, compile_cached, compile_source
 from lowlevel_fd.compiler.nvrtc import CompileOptions
-from lowlevel_fd.driver import DeviceArray
 from lowlevel_fd.reference import rope_ref
 
 VARIANTS = list(shipped_variants())
-
-
-class StandInDevice:
-    """Enough of a Device for plans that never reach the GPU."""
-    ordinal, arch, compute_capability = 0, "sm_90", (9, 0)
-
-
-DEV = StandInDevice()
 B, HQ, HKV, D, S_MAX = 3, 32, 8, 128, 64
-
-
-def fake(shape, dtype, *, ptr=1 << 20, strides=None, device=DEV) -> DeviceArray:
-    return DeviceArray(ptr, shape, dtype, device, strides, owner=object())
 
 
 # -- compilation -------------------------------------------------------------------------------
@@ -155,27 +144,55 @@ def test_prompt_ref_matches_token_by_token_appends(rng, prompt_layout):
     ({"scale_mode": "head", "scale_dtype": "float16"}, ValueError,
      "scale_dtype: expected one of ['float32'], got 'float16'"),
     ({"rope": "llama"}, ValueError, "rope: expected one of [None, 'neox', 'gptj'], got 'llama'"),
-    ({"num_q_heads": 12}, ValueError, "num_q_heads: expected a positive multiple of "
-                                      "num_kv_heads=8, got 12"),
+    ({"num_q_heads": 12}, ValueError, "num_q_heads: expected a multiple of num_kv_heads=8, "
+                                      "got 12"),
     ({"num_q_heads": 256}, ValueError, "group size (num_q_heads // num_kv_heads): expected one "
-                                       "of [1, 2, 3"),
-    ({"num_kv_heads": 0}, ValueError, "num_kv_heads: expected a positive int, got 0"),
-    ({"max_batch": 0}, ValueError, "max_batch: expected a positive int, got 0"),
+                                       "of [1, 2, 4, 8, 16], got 32"),
+    # Groups follow the support matrix of every plan (AppendPlan once took any of 1..16).
+    ({"num_q_heads": 24}, ValueError, "group size (num_q_heads // num_kv_heads): expected one "
+                                      "of [1, 2, 4, 8, 16], got 3"),
+    ({"num_kv_heads": 0}, ValueError, "num_kv_heads: expected an int in [1, 2147483648), got 0"),
+    ({"max_batch": 0}, ValueError, "max_batch: expected an int in [1, 2147483648), got 0"),
     ({"rope_theta": 0.0}, ValueError, "rope_theta: expected a finite base > 1, got 0.0"),
 ])
 def test_append_plan_rejects_bad_configuration(kwargs, error, message):
     args = {"num_q_heads": HQ, "num_kv_heads": HKV, "head_dim": D, **kwargs}
     with pytest.raises(error, match=re.escape(message)):
-        AppendPlan(args.pop("num_q_heads"), args.pop("num_kv_heads"), args.pop("head_dim"),
-                   max_batch=args.pop("max_batch", B), device=DEV, **args)
+        AppendPlan.create(args.pop("num_q_heads"), args.pop("num_kv_heads"),
+                          args.pop("head_dim"), max_batch=args.pop("max_batch", B),
+                          device=DEVICE, **args)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_append_plan_accepts_the_supported_groups(group):
+    plan = AppendPlan(KVCacheSpec(2, D), 2 * group, max_batch=B, device=DEVICE)
+    assert (plan.group_size, plan.num_q_heads) == (group, 2 * group)
 
 
 def test_prompt_quantizer_rejects_bad_configuration():
     with pytest.raises(ValueError, match=re.escape("prompt_layout: expected one of ['bsnh', "
                                                    "'bnsh'], got 'sbhd'")):
-        PromptQuantizer(HKV, D, max_batch=B, prompt_layout="sbhd", device=DEV)
-    with pytest.raises(ValueError, match=re.escape("max_batch: expected at most 65535")):
-        PromptQuantizer(HKV, D, max_batch=70000, device=DEV)
+        PromptQuantizer.create(HKV, D, max_batch=B, prompt_layout="sbhd", device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("max_batch: expected at most 65535 (grid.y), "
+                                                   "got 70000")):
+        PromptQuantizer.create(HKV, D, max_batch=70000, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("max_batch: expected an int in [1, "
+                                                   "2147483648), got 0")):
+        PromptQuantizer.create(HKV, D, max_batch=0, device=DEVICE)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: AppendPlan.create(HQ, HKV, D, max_batch=B, device=DEVICE),
+    lambda: PromptQuantizer.create(HKV, D, max_batch=B, device=DEVICE),
+], ids=["AppendPlan", "PromptQuantizer"])
+def test_error_flags_take_a_stream_and_read_0_before_the_first_run(make):
+    runner = make()
+    with pytest.raises(TypeError, match=r"stream"):
+        runner.error_flags()
+    with pytest.raises(TypeError):
+        runner.error_flags(None)  # keyword only
+    flags = runner.error_flags(stream=None)
+    assert flags == 0 and type(flags) is int
 
 
 # -- run() validation: fake device arrays, nothing launches ------------------------------------
@@ -197,7 +214,8 @@ def launched(runner, monkeypatch) -> list:
 @pytest.mark.parametrize("kv_layout,strides", [("bnsh", (HKV * S_MAX * D, S_MAX * D, D)),
                                                 ("bsnh", (S_MAX * HKV * D, D, HKV * D))])
 def test_valid_append_arguments_are_packed(kv_layout, strides, monkeypatch):
-    plan = AppendPlan(HQ, HKV, D, max_batch=4, kv_layout=kv_layout, rope="neox", device=DEV)
+    plan = AppendPlan.create(HQ, HKV, D, max_batch=4, kv_layout=kv_layout, rope="neox",
+                             device=DEVICE)
     grids = launched(plan, monkeypatch)
     q = fake((B, 40, D), "float16")[:, 4:36]  # a strided view of a padded buffer
     plan.run(**append_args(kv_layout), q=q, cos_sin=fake((S_MAX, D // 2, 2), "float32"),
@@ -224,8 +242,8 @@ def test_valid_append_arguments_are_packed(kv_layout, strides, monkeypatch):
      "k_new: the data pointer must be 16-byte aligned"),
     ({"k_new": fake((B, HKV, D), "float16", strides=(HKV * D * 4, D * 4, 4))}, ValueError,
      "k_new: the last dimension must be contiguous"),
-    ({"k_new": fake((B, HKV, D), "float16", device=StandInDevice())}, ValueError,
-     "k_new: expected an array on device 0"),
+    ({"k_new": fake((B, HKV, D), "float16", device=OTHER_DEVICE)}, ValueError,
+     "k_new: expected an array on device 0, got one on device 1"),
     ({"k_cache": fake((B, S_MAX, HKV, D), "int8")}, ValueError,
      "k_cache: expected shape [B, Hkv, S_max, D]=(3, 8, '*', 128), got (3, 64, 8, 128)"),
     ({"v_cache": fake((B, HKV, S_MAX, D), "uint8")}, TypeError,
@@ -238,10 +256,12 @@ def test_valid_append_arguments_are_packed(kv_layout, strides, monkeypatch):
      "v_scale: expected shape [B, Hkv, S_max]=(3, 8, 64)"),
     ({"seq_lens": fake((B,), "int64")}, TypeError, "seq_lens: expected dtype int32, got int64"),
     ({"seq_lens": fake((B + 1,), "int32")}, ValueError, "seq_lens: expected shape [B]=(3,)"),
-    ({"q": fake((B, HQ, D), "float16")}, ValueError, "q: the plan applies no RoPE (rope=None)"),
+    ({"q": fake((B, HQ, D), "float16")}, ValueError,
+     "q: the cache spec applies no RoPE (rope=None)"),
     ({"q_out": fake((B, HQ, D), "float16")}, ValueError, "q_out: given without q"),
     ({"cos_sin": fake((S_MAX, D // 2, 2), "float32")}, ValueError,
-     "cos_sin: the plan applies no RoPE (rope=None)"),
+     "cos_sin: the cache spec applies no RoPE (rope=None); pass rope='neox' or 'gptj', or "
+     "drop cos_sin"),
     ({"advance": 1}, TypeError, "advance: expected a bool, got int"),
     ({"host_seq_lens": [0, S_MAX, 3]}, ValueError,
      "host_seq_lens: sequence 1 has length 64, outside [0, 63] (the new token must land below "
@@ -249,11 +269,12 @@ def test_valid_append_arguments_are_packed(kv_layout, strides, monkeypatch):
     ({"host_seq_lens": [1, 2]}, ValueError, "host_seq_lens: expected 3 integer lengths"),
 ])
 def test_append_run_rejects_bad_arguments(change, error, message, monkeypatch):
-    plan = AppendPlan(HQ, HKV, D, max_batch=4, device=DEV)
+    plan = AppendPlan.create(HQ, HKV, D, max_batch=4, device=DEVICE)
     grids = launched(plan, monkeypatch)
+    before = bytes(plan._params)
     with pytest.raises(error, match=re.escape(message)):
         plan.run(**{**append_args(), **change}, stream=0)
-    assert grids == []
+    assert grids == [] and bytes(plan._params) == before, "nothing launched, nothing written"
 
 
 @pytest.mark.parametrize("change,message", [
@@ -265,7 +286,7 @@ def test_append_run_rejects_bad_arguments(change, error, message, monkeypatch):
     ({"cos_sin": fake((S_MAX, D // 2, 2), "float16")}, "cos_sin: expected dtype float32"),
 ])
 def test_append_run_rejects_bad_rope_arguments(change, message, monkeypatch):
-    plan = AppendPlan(HQ, HKV, D, max_batch=4, rope="gptj", device=DEV)
+    plan = AppendPlan.create(HQ, HKV, D, max_batch=4, rope="gptj", device=DEVICE)
     launched(plan, monkeypatch)
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         plan.run(**{**append_args(), **change}, stream=0)
@@ -274,18 +295,72 @@ def test_append_run_rejects_bad_rope_arguments(change, message, monkeypatch):
 @pytest.mark.parametrize("scale_mode,shape,message", [
     ("head", (HKV + 1,), "k_scale: expected shape [Hkv]=(8,) for scale_mode='head', got (9,)"),
     ("tensor", (2,), "k_scale: expected shape [1]=(1,) for scale_mode='tensor', got (2,)"),
+    # One scale is a 1-D [1] array, as for DecodePlan: a 0-d array is refused.
+    ("tensor", (), "k_scale: expected shape [1]=(1,) for scale_mode='tensor', got ()"),
+    ("tensor", (1, 1), "k_scale: expected shape [1]=(1,) for scale_mode='tensor', got (1, 1)"),
 ])
 def test_given_scales_must_match_the_mode(scale_mode, shape, message, monkeypatch):
-    plan = AppendPlan(HQ, HKV, D, max_batch=4, scale_mode=scale_mode, device=DEV)
+    plan = AppendPlan.create(HQ, HKV, D, max_batch=4, scale_mode=scale_mode, device=DEVICE)
     launched(plan, monkeypatch)
     args = {**append_args(scale_mode=scale_mode), "k_scale": fake(shape, "float32")}
     with pytest.raises(ValueError, match=re.escape(message)):
         plan.run(**args, stream=0)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"ptr": (1 << 20) + 2}, "k_scale: the data pointer must be 4-byte aligned, got 0x100002"),
+    ({"strides": (HKV * (S_MAX + 1) * 2, (S_MAX + 1) * 2, 2)},  # rows of 65 fp16 scales
+     "k_scale: the stride of axis 1 must be a multiple of 4 bytes, got 130"),
+    ({"strides": ((HKV * S_MAX + 1) * 2, S_MAX * 2, 2)},
+     "k_scale: the stride of axis 0 must be a multiple of 4 bytes, got 1026"),
+])
+@pytest.mark.parametrize("runner", ["append", "prompt"])
+def test_token_scale_rows_are_4_byte_aligned_for_the_writes_too(change, message, runner,
+                                                                monkeypatch):
+    # fp16 per-token scales: every row [b, h, :] starts 4-byte aligned, as for DecodePlan.
+    make = (AppendPlan.create(HQ, HKV, D, max_batch=4, scale_dtype="float16", device=DEVICE)
+            if runner == "append" else
+            PromptQuantizer.create(HKV, D, max_batch=4, scale_dtype="float16", device=DEVICE))
+    grids = launched(make, monkeypatch)
+    args = append_args(scale_dtype="float16")
+    good_scale = args["k_scale"]
+    if runner == "prompt":
+        args = {"k": fake((B, 16, HKV, D), "float16"), "v": fake((B, 16, HKV, D), "float16"),
+                **{name: args[name] for name in ("k_cache", "v_cache", "k_scale", "v_scale")},
+                "prompt_lens": args["seq_lens"]}
+    make.run(**args, stream=0)  # contiguous rows of an even S_max: accepted
+    pool = (B, HKV, S_MAX + 1) if "strides" in change else None
+    args["k_scale"] = args["v_scale"] = fake(good_scale.shape, "float16", pool=pool,
+                                             **change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make.run(**args, stream=0)
+    assert len(grids) == 1
+
+
+def test_a_rejected_prompt_writes_nothing(monkeypatch):
+    quantizer = PromptQuantizer.create(HKV, D, max_batch=B, device=DEVICE)
+    grids = launched(quantizer, monkeypatch)
+    args = {name: value for name, value in append_args().items() if "new" not in name}
+    args["prompt_lens"] = args.pop("seq_lens")
+    k, v = fake((B, 20, HKV, D), "float16"), fake((B, 20, HKV, D), "float16")
+    quantizer.run(k, v, **args, stream=0)
+    before = bytes(quantizer._params)
+    for bad in ({"k_cache": fake((B, HKV, S_MAX, D), "uint8")},
+                {"prompt_lens": fake((B,), "int64")},
+                {"seq_lens_out": fake((B + 1,), "int32")},
+                {"host_prompt_lens": [0, 21, 0]},
+                {"cos_sin": fake((S_MAX, D // 2, 2), "float32")}):
+        (name,) = bad
+        with pytest.raises((ValueError, TypeError), match=rf"^{name}: "):
+            quantizer.run(fake((B, 20, HKV, D), "float16"), v, **(args | bad), stream=0)
+        assert bytes(quantizer._params) == before, bad
+    assert len(grids) == 1
+
+
 @pytest.mark.parametrize("prompt_layout", ["bsnh", "bnsh"])
 def test_prompt_arguments_are_validated_and_packed(prompt_layout, monkeypatch):
-    quantizer = PromptQuantizer(HKV, D, max_batch=B, prompt_layout=prompt_layout, device=DEV)
+    quantizer = PromptQuantizer.create(HKV, D, max_batch=B, prompt_layout=prompt_layout,
+                                       device=DEVICE)
     grids = launched(quantizer, monkeypatch)
     shape = (B, 20, HKV, D) if prompt_layout == "bsnh" else (B, HKV, 20, D)
     args = {name: value for name, value in append_args().items() if "new" not in name}
@@ -305,7 +380,7 @@ def test_prompt_arguments_are_validated_and_packed(prompt_layout, monkeypatch):
 
 
 def test_closed_plan_refuses_to_run():
-    plan = AppendPlan(HQ, HKV, D, max_batch=4, device=DEV)
+    plan = AppendPlan.create(HQ, HKV, D, max_batch=4, device=DEVICE)
     plan.close()
     with pytest.raises(RuntimeError, match="AppendPlan is closed"):
         plan.run(**append_args(), stream=0)

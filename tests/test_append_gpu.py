@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from append_case import cache_state
 
+from lowlevel_fd import ERROR_OUTSIDE_CACHE, ERROR_PROMPT_LENGTH, KVCacheSpec
 from lowlevel_fd.append import AppendPlan, PromptQuantizer
 from lowlevel_fd.append.reference import append_ref, prompt_ref
 from lowlevel_fd.decode import DecodePlan
@@ -17,7 +18,6 @@ pytestmark = pytest.mark.gpu
 MODES = [("tensor", "float32"), ("head", "float32"), ("token", "float32"), ("token", "float16")]
 # One rounding of the rotated q to the storage type, relative to the element.
 Q_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-
 
 
 def upload(host):
@@ -53,8 +53,9 @@ def test_append_matches_reference(rng, stream, head_dim, dtype, kv_layout, scale
     d_fused = DeviceArray.from_numpy(fused)
     q_heads = heads * group
     k_new, v_new = fused[:, q_heads:q_heads + heads], fused[:, q_heads + heads:]
-    with AppendPlan(q_heads, heads, head_dim, max_batch=batch, kv_layout=kv_layout,
-                    scale_mode=scale_mode, scale_dtype=scale_dtype, dtype=dtype) as plan:
+    with AppendPlan.create(q_heads, heads, head_dim, max_batch=batch, kv_layout=kv_layout,
+                           scale_mode=scale_mode, scale_dtype=scale_dtype,
+                           dtype=dtype) as plan:
         plan.run(d_fused[:, q_heads:q_heads + heads], d_fused[:, q_heads + heads:],
                  *cache_args(d), stream=stream)
         stream.synchronize()
@@ -82,8 +83,8 @@ def test_rope_on_q_and_k(rng, stream, head_dim, dtype, style, source):
     k_new, v_new = (new_tokens(rng, (batch, heads, head_dim), dtype) for _ in range(2))
     table = rope_table(capacity, head_dim, theta) if source == "table" else None
     d_q, d_q_out = DeviceArray.from_numpy(q), DeviceArray.empty(q.shape, q.dtype)
-    with AppendPlan(heads * group, heads, head_dim, max_batch=batch, dtype=dtype, rope=style,
-                    rope_theta=theta) as plan:
+    with AppendPlan.create(heads * group, heads, head_dim, max_batch=batch, dtype=dtype,
+                           rope=style, rope_theta=theta) as plan:
         plan.run(DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), *cache_args(d),
                  q=d_q, q_out=d_q_out if style == "gptj" else None,
                  cos_sin=None if table is None else DeviceArray.from_numpy(table),
@@ -128,8 +129,8 @@ def test_values_beyond_127_scales_saturate_and_never_wrap(rng, stream, dtype, sc
     d = upload(host)
     k_new, v_new = (new_tokens(rng, (batch, heads, head_dim), dtype, 4.0) for _ in range(2))
     k_new[0, 0, :4] = [1e4, -1e4, 60000, -60000]
-    with AppendPlan(heads, heads, head_dim, max_batch=batch, dtype=dtype,
-                    scale_mode=scale_mode) as plan:
+    with AppendPlan.create(heads, heads, head_dim, max_batch=batch, dtype=dtype,
+                           scale_mode=scale_mode) as plan:
         plan.run(DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), *cache_args(d),
                  stream=stream)
         stream.synchronize()
@@ -154,7 +155,7 @@ def small_setup(rng, lengths, capacity=8, rope=None):
                        kv_layout="bsnh", scale_mode="token", scale_dtype="float32",
                        lengths=lengths)
     k_new, v_new = (new_tokens(rng, (len(lengths), 2, 64), "float16") for _ in range(2))
-    plan = AppendPlan(4, 2, 64, max_batch=len(lengths), kv_layout="bsnh", rope=rope)
+    plan = AppendPlan.create(4, 2, 64, max_batch=len(lengths), kv_layout="bsnh", rope=rope)
     return host, upload(host), DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), plan
 
 
@@ -174,7 +175,7 @@ def test_full_cache_is_guarded_on_the_device(rng, stream):
     d_q = DeviceArray.from_numpy(q)
     with plan:
         plan.run(k_new, v_new, *cache_args(d), q=d_q, advance=True, stream=stream)
-        assert plan.error_flags(stream=stream) & 1
+        assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
         assert plan.error_flags(stream=stream) == 0  # cleared by the read
     got = download(d)
     assert got["seq_lens"].tolist() == [8, 3, 10**6, -1]  # only the sequence written advanced
@@ -205,7 +206,53 @@ def test_advance_bumps_the_device_lengths(rng, stream):
         np.testing.assert_array_equal(got[name], host[name], err_msg=name)
 
 
-@pytest.mark.parametrize("group", [1, 5, 16])
+def test_prepared_run_launches_bitwise_what_run_launches(rng, stream):
+    """AppendPlan.prepare_run validates run()'s arguments once; each launch(stream) writes what
+    run() writes with the same arguments (caches, scales, rotated q, advanced lengths, the
+    flag at a full cache), also when run() went to other buffers in between. After close()
+    the prepared call raises RuntimeError."""
+    batch, heads, group, head_dim, capacity = 4, 2, 2, 64, 8
+    host = cache_state(rng, batch=batch, heads=heads, head_dim=head_dim, capacity=capacity,
+                       kv_layout="bsnh", scale_mode="token", scale_dtype="float32",
+                       lengths=[0, 5, capacity - 1, 3])
+    q = new_tokens(rng, (batch, heads * group, head_dim), "float16")
+    k_new, v_new = (new_tokens(rng, (batch, heads, head_dim), "float16") for _ in range(2))
+    d_k, d_v = DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new)
+    d_table = DeviceArray.from_numpy(rope_table(capacity, head_dim))
+    by_run, by_prepared = upload(host), upload(host)
+    by_run["q"], by_prepared["q"] = DeviceArray.from_numpy(q), DeviceArray.from_numpy(q)
+    names = ("k_cache", "v_cache", "k_scale", "v_scale", "seq_lens", "q")
+    plan = AppendPlan.create(heads * group, heads, head_dim, max_batch=batch, kv_layout="bsnh",
+                             rope="neox")
+    with plan:
+        prepared = plan.prepare_run(d_k, d_v, *cache_args(by_prepared), q=by_prepared["q"],
+                                    cos_sin=d_table, advance=True)
+        for step in range(2):  # step 1 finds sequence 2 full: nothing written, flagged
+            plan.run(d_k, d_v, *cache_args(by_run), q=by_run["q"], cos_sin=d_table,
+                     advance=True, stream=stream)
+            prepared.launch(stream)
+            got, expected = download(by_prepared, names), download(by_run, names)
+            for name in names:
+                assert np.array_equal(got[name].view(np.uint8), expected[name].view(np.uint8)), (
+                    step, name)
+            assert bool(plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE) == (step == 1)
+        assert got["seq_lens"].tolist() == [2, 7, capacity, 5]
+        # The oracle: the same two appends on the host (RoPE within one int8 step).
+        lengths = host["seq_lens"].copy()
+        for _ in range(2):
+            append_ref(host["k_cache"], host["v_cache"], host["k_scale"], host["v_scale"],
+                       lengths, k_new, v_new, kv_layout="bsnh", scale_mode="token",
+                       rope="neox", cos_sin=rope_table(capacity, head_dim), advance=True)
+        assert lengths.tolist() == got["seq_lens"].tolist()
+        assert np.abs(got["k_cache"].astype(np.int32) - host["k_cache"]).max() <= 1
+        np.testing.assert_array_equal(got["v_cache"], host["v_cache"])
+        np.testing.assert_array_equal(got["v_scale"], host["v_scale"])  # NaN poison included
+        np.testing.assert_allclose(got["k_scale"], host["k_scale"], rtol=1e-5)
+    with pytest.raises(RuntimeError, match="closed"):
+        prepared.launch(stream)
+
+
+@pytest.mark.parametrize("group", [1, 8, 16])  # the support matrix's groups (5 is not one)
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_q_rope_for_every_group_size(rng, stream, head_dim, group):
     """Up to 16 query heads per KV head: more rows than one round of the CTA holds."""
@@ -217,7 +264,8 @@ def test_q_rope_for_every_group_size(rng, stream, head_dim, group):
     q = new_tokens(rng, (batch, heads * group, head_dim), "float16")
     k_new, v_new = (new_tokens(rng, (batch, heads, head_dim), "float16") for _ in range(2))
     d_q = DeviceArray.from_numpy(q)
-    with AppendPlan(heads * group, heads, head_dim, max_batch=batch, rope="neox") as plan:
+    with AppendPlan.create(heads * group, heads, head_dim, max_batch=batch,
+                           rope="neox") as plan:
         plan.run(DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), *cache_args(d),
                  q=d_q, stream=stream)
         stream.synchronize()
@@ -246,11 +294,16 @@ def test_hundred_decode_steps_eager_and_graph_replay(rng, stream, fused):
     d = upload(initial)
     d_q, d_k, d_v = (DeviceArray.empty(x.shape, np.float16) for x in inputs[0])
     d_out, d_table = DeviceArray.empty(d_q.shape, np.float16), DeviceArray.from_numpy(table)
-    append = AppendPlan(q_heads, heads, head_dim, max_batch=batch, rope="neox")
-    attention = DecodePlan(q_heads, heads, head_dim, max_batch=batch, max_seq_len=capacity,
-                           rope="neox")
-    # One plan for both passes: same splits, same bits.
-    attention.plan([capacity] * batch, append=fused)
+    spec = KVCacheSpec(heads, head_dim, rope="neox")  # one cache description for both plans
+    append = AppendPlan(spec, q_heads, max_batch=batch)
+    attention = DecodePlan(spec, q_heads, max_batch=batch, max_seq_len=capacity)
+    # One plan for both passes: same splits, same bits. Both plan for the longest sequence
+    # attending the whole capacity: plan(append=True) takes the cached lengths (it plans for
+    # one more token each), so a full cache is planned as capacity - 1 cached tokens.
+    if fused:
+        attention.plan([capacity - 1] * batch, append=True)
+    else:
+        attention.plan([capacity] * batch)
 
     def decode_step():
         if fused:  # one launch appends and attends; q stays as given
@@ -321,9 +374,9 @@ def prompt_case(rng, *, prompt_layout, kv_layout, scale_mode="token", scale_dtyp
     shape = ((batch, tokens, heads, head_dim) if prompt_layout == "bsnh"
              else (batch, heads, tokens, head_dim))
     k, v = (new_tokens(rng, shape, dtype) for _ in range(2))
-    quantizer = PromptQuantizer(heads, head_dim, max_batch=batch, kv_layout=kv_layout,
-                                prompt_layout=prompt_layout, scale_mode=scale_mode,
-                                scale_dtype=scale_dtype, dtype=dtype, rope=rope)
+    quantizer = PromptQuantizer.create(heads, head_dim, max_batch=batch, kv_layout=kv_layout,
+                                       prompt_layout=prompt_layout, scale_mode=scale_mode,
+                                       scale_dtype=scale_dtype, dtype=dtype, rope=rope)
     return host, k, v, quantizer
 
 
@@ -381,8 +434,9 @@ def test_prompt_lengths_are_clamped_and_flagged(rng, stream):
     with quantizer:
         quantizer.run(DeviceArray.from_numpy(k), DeviceArray.from_numpy(v), *cache_args(d),
                       seq_lens_out=d["seq_lens"], stream=stream)  # in place
-        # bit 1: 60 > S and -3 < 0 were clamped; bit 0: 37 and 35 > S_max were cut
-        assert quantizer.error_flags(stream=stream) == 3
+        # ERROR_PROMPT_LENGTH: 60 > S and -3 < 0 were clamped; ERROR_OUTSIDE_CACHE: 37 and 35
+        # > S_max were cut
+        assert quantizer.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE | ERROR_PROMPT_LENGTH
     got = download(d)
     written = prompt_ref(host["k_cache"], host["v_cache"], host["k_scale"], host["v_scale"],
                          host["seq_lens"], k, v, kv_layout="bnsh", prompt_layout="bnsh",

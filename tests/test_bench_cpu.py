@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+# tools/ is on sys.path through pytest's pythonpath setting (pyproject.toml).
+import bench
+import tune
+from benchlib import kernels, report, stats, workloads
+from benchlib.workloads import GIB, L2_HONEST_BYTES, MAX_LAYERS, MIB, Workload, layer_count
+from lowlevel_fd.compiler import KERNEL_DIR
+from lowlevel_fd.decode.planner import DEFAULT_WARPS, TileConfig
 
-import bench  # noqa: E402
-import tune  # noqa: E402
-from benchlib import report, stats, workloads  # noqa: E402
-from benchlib.workloads import (GIB, L2_HONEST_BYTES, MAX_LAYERS, MIB, Workload,  # noqa: E402
-                                layer_count)
-from lowlevel_fd.decode.planner import TileConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the layer-count rule ---------------------------------------------------------------------
@@ -107,7 +107,8 @@ def test_parse_heads():
 def test_parse_config():
     assert workloads.parse_config("4,16,128,1") == TileConfig(4, 16, 128, True)
     assert workloads.parse_config("2,1,32,false") == TileConfig(2, 1, 32, False)
-    for bad in ("4,16,128", "3,16,128,1", "4,0,128,1", "4,16,100,1", "4,16,128,yes"):
+    for bad in ("4,16,128", "3,16,128,1", "4,0,128,1", "4,16,100,1", "4,16,128,yes",
+                "16,16,128,1", "4,16,128,1,1", "4,32,128,1,2,1"):
         with pytest.raises(ValueError, match="--config"):
             workloads.parse_config(bad)
 
@@ -220,7 +221,8 @@ def test_json_holds_numpy_values(tmp_path):
     report.write_json(str(path), {"x": np.float32(1.5), "n": np.int64(3),
                                   "config": TileConfig()})
     data = json.loads(path.read_text())
-    assert data["x"] == 1.5 and data["n"] == 3 and data["config"]["num_warps"] == 4
+    assert data["x"] == 1.5 and data["n"] == 3
+    assert data["config"]["num_warps"] == DEFAULT_WARPS
 
 
 # -- tune's sweep -------------------------------------------------------------------------------
@@ -243,3 +245,17 @@ def test_tune_candidates_cover_the_issues_grid_and_the_planner_pick():
 
 def test_tune_names_the_planners_tiles():
     assert tune.config_label(TileConfig(num_warps=8, num_splits=8, tiles=2)).split()[5] == "t2"
+
+
+# -- the benchmark's own kernels ----------------------------------------------------------------
+def test_bench_kernels_are_the_tools_own_and_compile_for_sm_90_without_spills():
+    assert not (KERNEL_DIR / "bench.cu").exists()  # the wheel ships lowlevel_fd/cu only
+    assert not (ROOT / "lowlevel_fd" / "cu" / "bench.cu").exists()
+    assert kernels.SOURCE == ROOT / "tools" / "benchlib" / "bench.cu"
+    program = kernels.bench_program("sm_90")  # NVRTC only: no GPU needed
+    assert program.arch == "sm_90" and program.cubin
+    assert set(program.resources) == set(kernels.KERNELS)
+    for name, resources in program.resources.items():
+        assert resources.spill_store_bytes == resources.spill_load_bytes == 0, name
+        assert resources.stack_bytes == 0, name
+    assert kernels.bench_program("sm_90") is program  # once per process and arch

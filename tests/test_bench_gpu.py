@@ -3,14 +3,10 @@ correctness check, graph and eager timing, JSON) on a tiny workload."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import bench  # noqa: E402
+import bench  # tools/ is on sys.path through pytest's pythonpath setting (pyproject.toml)
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,9 @@
 """Specification of ``python -m lowlevel_fd``: info and demo without a GPU, compile of every
-shipped kernel with no spills, and the plumbing of compile and bench."""
+shipped kernel (each once) with no spills, the plumbing of compile, and no bench subcommand.
+
+The CLI runs in a subprocess from a temporary directory, with the lowlevel_fd that this test
+process imported first on its path: never the checkout by accident.
+"""
 from __future__ import annotations
 
 import os
@@ -7,20 +11,27 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from lowlevel_fd import cli
+import lowlevel_fd
+from lowlevel_fd import append, cli, decode, demo
 from lowlevel_fd.compiler import (CompiledProgram, CompileError, KernelResources,
                                   nvrtc_version)
-from lowlevel_fd.decode import shipped_variants
-from lowlevel_fd.decode.variants import PLANNER_WARPS
+from lowlevel_fd.core.support import WARP_COUNTS
+from lowlevel_fd.decode import DecodeVariant, Workload, choose
+from lowlevel_fd.decode.planner import DEFAULT_WARPS
 
 from conftest import HAS_GPU
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(lowlevel_fd.__file__).resolve().parents[1]  # what this process imported
 ROW = re.compile(r"^(llfd::\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
+PROGRESS = re.compile(r"^  (\d+)/(\d+) programs, \d+ s$", re.M)
+# Every kernel `compile` builds for sm_90 by default: the planner's warps.
+SHIPPED = [name for variants in (decode.shipped_variants(), append.shipped_variants())
+           for variant in variants for name in variant.kernel_names]
+SHIPPED_PROGRAMS = len(list(decode.shipped_variants())) + len(list(append.shipped_variants()))
 
 
 @pytest.fixture(scope="session")
@@ -28,20 +39,52 @@ def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cli-kernel-cache")
 
 
-def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LOWLEVEL_FD_CACHE_DIR=str(cache),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "lowlevel_fd", *args], cwd=REPO, env=env,
+@pytest.fixture(scope="session")
+def elsewhere(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CLI's working directory: no lowlevel_fd to import from there."""
+    return tmp_path_factory.mktemp("cli-cwd")
+
+
+def cli_env(cache: Path) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, LOWLEVEL_FD_CACHE_DIR=str(cache), PYTHONPATH=path)
+
+
+def run_python(*args: str, cache: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=cli_env(cache),
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
 
 
+@pytest.fixture(scope="session")
+def run_cli(elsewhere: Path):
+    def run(*args: str, cache: Path) -> subprocess.CompletedProcess:
+        return run_python("-m", "lowlevel_fd", *args, cache=cache, cwd=elsewhere)
+    return run
+
+
+def test_the_cli_runs_the_lowlevel_fd_under_test(session_cache, elsewhere):
+    result = run_python("-c", "import lowlevel_fd; print(lowlevel_fd.__file__)",
+                        cache=session_cache, cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()).resolve() == Path(lowlevel_fd.__file__).resolve()
+
+
+@pytest.mark.skipif(os.environ.get("LOWLEVEL_FD_REQUIRE_INSTALLED") != "1",
+                    reason="LOWLEVEL_FD_REQUIRE_INSTALLED=1 is not set (CI sets it)")
+def test_the_installed_package_is_under_test_not_the_checkout():
+    package = Path(lowlevel_fd.__file__).resolve()
+    assert REPO not in package.parents, (
+        f"the tests imported lowlevel_fd from the checkout ({package}), not the installed one")
+
+
 # -- info and demo -----------------------------------------------------------------------------
-def test_info_reports_versions_and_the_cache_dir(session_cache):
+def test_info_reports_versions_and_the_cache_dir(run_cli, session_cache):
     result = run_cli("info", cache=session_cache)
     assert result.returncode == 0, result.stderr
     major, minor = nvrtc_version()
     assert re.search(rf"^NVRTC\s+{major}\.{minor}$", result.stdout, re.M)
-    assert re.search(r"^lowlevel_fd\s+\d+\.\d+", result.stdout, re.M)
+    assert re.search(rf"^lowlevel_fd\s+{re.escape(lowlevel_fd.__version__)}$", result.stdout,
+                     re.M)
     assert re.search(r"^cuda-bindings\s+\d+\.", result.stdout, re.M)
     assert re.search(rf"^cache dir\s+{re.escape(str(session_cache))}$", result.stdout, re.M)
     if HAS_GPU:
@@ -50,35 +93,74 @@ def test_info_reports_versions_and_the_cache_dir(session_cache):
         assert "no CUDA GPU visible" in result.stdout
 
 
+def test_the_demos_kernel_is_the_planners_pick_for_an_h100():
+    heads, group = demo.HEADS, demo.HEADS // demo.KV_HEADS
+    work = Workload(1, demo.KV_HEADS, demo.LENGTH, 132, 0, group, demo.HEAD_DIM)
+    expected = DecodeVariant.planned(demo.CACHE, group, "float16", choose(work, clusters=True))
+    assert demo.planned_variant() == expected
+    assert (demo.CACHE.num_kv_heads, demo.CACHE.head_dim, heads) == (8, 128, 32)
+    assert expected.num_warps == DEFAULT_WARPS
+
+
 @pytest.mark.skipif(HAS_GPU, reason="with a GPU the demo runs for real")
-def test_demo_without_a_gpu_compiles_and_says_it_needs_one(session_cache):
-    result = run_cli("demo", cache=session_cache)
-    assert result.returncode == 0, result.stderr
-    assert "compiled the demo's kernel" in result.stdout
-    assert "needs a CUDA GPU" in result.stdout
+def test_demo_without_a_gpu_compiles_and_says_it_needs_one(run_cli, tmp_path):
+    kernel = re.escape(demo.planned_variant().split_kernel)
+    fresh = run_cli("demo", cache=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert re.search(rf"^compiled: the demo's kernel {kernel} for sm_90 \(\d+ bytes of "
+                     rf"CUBIN\)$", fresh.stdout, re.M), fresh.stdout
+    assert "the demo needs a CUDA GPU to run" in fresh.stdout
+    again = run_cli("demo", cache=tmp_path)  # the same cache: nothing to compile
+    assert again.returncode == 0, again.stderr
+    assert re.search(rf"^found in the compile cache: the demo's kernel {kernel} for sm_90 ",
+                     again.stdout, re.M), again.stdout
+    assert "compiled:" not in again.stdout
+    assert "the demo needs a CUDA GPU to run" in again.stdout
 
 
-def test_no_command_is_a_usage_error(session_cache):
+def test_no_command_is_a_usage_error(run_cli, session_cache):
     result = run_cli(cache=session_cache)
     assert result.returncode == 2 and "usage:" in result.stderr
 
 
+def test_there_is_no_bench_command(run_cli, session_cache):
+    # The benchmarks are the checkout's tools/bench.py, run directly.
+    result = run_cli("bench", cache=session_cache)
+    assert result.returncode == 2
+    assert re.search(r"invalid choice: '?bench'?", result.stderr), result.stderr
+    assert not hasattr(cli, "BENCH_SCRIPT")
+
+
 # -- compile -----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def compiled_sm90(session_cache: Path) -> subprocess.CompletedProcess:
-    """`compile --arch sm_90`, run once for the session (about 120 NVRTC compiles)."""
-    return run_cli("compile", "--arch", "sm_90", cache=session_cache)
+def compiled_sm90(run_cli, tmp_path_factory) -> subprocess.CompletedProcess:
+    """`compile --arch sm_90` on a fresh cache, run once for the session (647 NVRTC
+    compiles)."""
+    return run_cli("compile", "--arch", "sm_90", cache=tmp_path_factory.mktemp("compile-cache"))
 
 
-def test_compile_builds_every_shipped_kernel_for_sm90(compiled_sm90):
-    rows = [ROW.match(line) for line in compiled_sm90.stdout.splitlines()]
+def test_compile_builds_every_shipped_kernel_once_for_sm90(compiled_sm90):
+    lines = compiled_sm90.stdout.splitlines()
+    assert lines[0] == f"compiling {SHIPPED_PROGRAMS} programs (decode, append) for sm_90"
+    assert SHIPPED_PROGRAMS == 647
+    rows = [ROW.match(line) for line in lines]
     names = [row.group(1) for row in rows if row]
-    expected = [name for family in cli.FAMILIES for variant in family.variants(PLANNER_WARPS)
-                for name in family.kernels(variant)]
-    decode = [n for v in shipped_variants() for n in (v.split_kernel, v.combine_kernel)]
+    assert len(names) == len(set(names)), "a kernel is listed twice"
+    assert len(names) == len(SHIPPED) == 719
+    assert sorted(names) == sorted(SHIPPED)
+    expected = [name for family in cli.FAMILIES for variant in family.variants((DEFAULT_WARPS,))
+                for name in variant.kernel_names]
     assert sorted(names) == sorted(expected)
-    assert set(decode) <= set(names)
     assert all(int(row.group(2)) > 0 for row in rows if row), "every kernel reports registers"
+
+
+def test_compile_reports_progress_on_stderr(compiled_sm90):
+    progress = [(int(done), int(total)) for done, total in PROGRESS.findall(compiled_sm90.stderr)]
+    assert progress and all(total == SHIPPED_PROGRAMS for _, total in progress)
+    assert progress[-1] == (SHIPPED_PROGRAMS, SHIPPED_PROGRAMS)
+    assert [done for done, _ in progress] == sorted({done for done, _ in progress})
+    assert len(progress) >= 10, "a line per tenth of the programs"
+    assert not PROGRESS.search(compiled_sm90.stdout), "stdout holds only the report"
 
 
 def test_compile_sm90_has_no_spills_and_no_stack_frames(compiled_sm90):
@@ -86,15 +168,27 @@ def test_compile_sm90_has_no_spills_and_no_stack_frames(compiled_sm90):
     spilling = [row.group(1) for row in map(ROW.match, compiled_sm90.stdout.splitlines())
                 if row and (int(row.group(3)) or int(row.group(4)) or int(row.group(5)))]
     assert spilling == []
-    assert re.search(r"^\d+ kernels for sm_90: no spills, no stack frames", compiled_sm90.stdout,
-                     re.M)
+    assert re.search(rf"^{len(SHIPPED)} kernels for sm_90: no spills, no stack frames "
+                     rf"\(\d+\.\d s\)$", compiled_sm90.stdout, re.M)
 
 
 @pytest.mark.parametrize("arch", ["sm90", "compute_90", "90"])
-def test_compile_rejects_a_bad_arch(session_cache, arch):
+def test_compile_rejects_a_bad_arch(run_cli, session_cache, arch):
     result = run_cli("compile", "--arch", arch, cache=session_cache)
     assert result.returncode == 2
     assert "arch: expected a real architecture like 'sm_90'" in result.stderr
+
+
+def test_all_warps_help_names_the_other_warp_counts(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser("lowlevel-fd").parse_args(["compile", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    others = [w for w in WARP_COUNTS if w != DEFAULT_WARPS]
+    assert others == [2, 4]
+    assert re.search(r"--all-warps\s.*2 and 4 warps", text), text
+    assert f"the planner picks {DEFAULT_WARPS}" in text
 
 
 class FakeVariant:
@@ -102,6 +196,7 @@ class FakeVariant:
 
     def __init__(self, name: str, resources: KernelResources) -> None:
         self.name, self.resources = name, resources
+        self.kernel_names = (name,)
 
     def compile(self, arch: str) -> CompiledProgram:
         return CompiledProgram(cubin=b"\x7fELF", log="", arch=arch,
@@ -109,8 +204,8 @@ class FakeVariant:
                                resources={f"_Z{self.name}": self.resources})
 
 
-def fake_family(*variants: FakeVariant) -> cli.KernelFamily:
-    return cli.KernelFamily("fake", lambda warps: variants, lambda v: (v.name,))
+def fake_family(*variants) -> cli.KernelFamily:
+    return cli.KernelFamily("fake", lambda warps: variants)
 
 
 CLEAN = KernelResources(registers=40, spill_store_bytes=0, spill_load_bytes=0, stack_bytes=0,
@@ -133,6 +228,8 @@ def test_compile_fails_and_names_a_kernel_that_spills(monkeypatch, capsys, probl
 
 
 class BrokenVariant:
+    kernel_names = ("broken",)
+
     def compile(self, arch: str) -> CompiledProgram:
         raise CompileError("broken.cu", arch, "broken.cu(3): error: expected a \";\"")
 
@@ -146,30 +243,23 @@ def test_compile_reports_a_variant_that_does_not_compile(monkeypatch, capsys):
     assert re.search(r"broken\.cu\(3\): error", err)
 
 
+def test_compile_lists_each_kernel_once_in_the_order_of_the_families(monkeypatch, capsys):
+    first, second = FakeVariant("first", CLEAN), FakeVariant("second", CLEAN)
+    monkeypatch.setattr(cli, "FAMILIES", [fake_family(first), fake_family(second)])
+    assert cli.main(["compile", "--arch", "sm_90"]) == 0
+    captured = capsys.readouterr()
+    listed = [line.split()[0] for line in captured.out.splitlines()
+              if line.split() and line.split()[0] in ("first", "second")]
+    assert listed == ["first", "second"]
+    assert captured.out.splitlines()[0] == "compiling 2 programs (fake, fake) for sm_90"
+    assert re.search(r"^2 kernels for sm_90: no spills", captured.out, re.M)
+    assert PROGRESS.search(captured.err) and not PROGRESS.search(captured.out)
+
+
 def test_compile_passes_every_warp_count_with_all_warps(monkeypatch, capsys):
     seen: list[tuple[int, ...]] = []
-    family = cli.KernelFamily("fake", lambda warps: seen.append(warps) or [], lambda v: ())
+    family = cli.KernelFamily("fake", lambda warps: seen.append(warps) or [])
     monkeypatch.setattr(cli, "FAMILIES", [family])
     assert cli.main(["compile", "--arch", "sm_80", "--all-warps"]) == 0
     assert cli.main(["compile", "--arch", "sm_80"]) == 0
-    assert seen == [(2, 4, 8), PLANNER_WARPS]
-
-
-# -- bench -------------------------------------------------------------------------------------
-def test_bench_passes_its_arguments_through(monkeypatch, tmp_path):
-    script = tmp_path / "tools" / "bench.py"
-    script.parent.mkdir()
-    script.write_text("import sys\n"
-                      "def main(argv):\n"
-                      "    sys.modules['lowlevel_fd_bench_test'].argv = argv\n"
-                      "    return 7\n")
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
-    monkeypatch.setitem(sys.modules, "lowlevel_fd_bench_test", SimpleNamespace())
-    assert cli.main(["bench", "--batch", "4", "-h", "x"]) == 7
-    assert sys.modules["lowlevel_fd_bench_test"].argv == ["--batch", "4", "-h", "x"]
-
-
-def test_bench_without_the_script_says_so(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "tools" / "bench.py")
-    assert cli.main(["bench"]) == 2
-    assert "bench.py not found" in capsys.readouterr().err
+    assert seen == [WARP_COUNTS, (DEFAULT_WARPS,)] == [(2, 4, 8), (8,)]

@@ -1,20 +1,29 @@
 """Specification of the compiler: NVRTC to CUBIN per arch, the resource report, CompileError,
-and the disk cache (hit, miss, corruption, read-only fallback, atomic writes, two processes)."""
+the disk cache (hit, miss, corruption, read-only fallback, atomic writes, two processes), its key
+(the sources a program includes, never their paths) and what the Python side shares with the
+kernels (the support matrix's ids, the DecodeParams layout)."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing
 import os
 import queue
+import re
+import shutil
 import stat
 import time
 from pathlib import Path
 
 import pytest
 
-from lowlevel_fd.compiler import (CompileError, CompileOptions, cache, cache_key,
-                                  clear_memory_cache, compile_source)
-from lowlevel_fd.decode import DecodeVariant
+import lowlevel_fd
+from lowlevel_fd.compiler import (KERNEL_DIR, CompileError, CompileOptions, cache, cache_key,
+                                  clear_memory_cache, compile_source, nvrtc, nvrtc_compiles)
+from lowlevel_fd.core import support
+from lowlevel_fd.decode import CombineVariant, DecodeVariant
+from lowlevel_fd.decode.params import DecodeParams
+from lowlevel_fd.decode.variants import LENGTHS
 
 ARCHS = ("sm_80", "sm_90")
 TINY = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
@@ -29,6 +38,11 @@ DECODE_SAMPLE = (
     DecodeVariant(128, 8, "bfloat16", "head"),
     DecodeVariant(128, 4, "float16", "token", num_warps=8, cluster=True, tiles=2, append=True),
 )
+# Their merges (one program per head_dim, group and dtype) and the length bump, each a program
+# of its own.
+COMBINE_SAMPLE = tuple(dict.fromkeys(CombineVariant(v.head_dim, v.group_size, v.dtype)
+                                     for v in DECODE_SAMPLE))
+PROGRAM_SAMPLE = DECODE_SAMPLE + COMBINE_SAMPLE + (LENGTHS,)
 CORRUPTIONS = {
     "truncated": lambda blob: blob[: len(blob) // 2],
     "bit flipped": lambda blob: blob[:-100] + bytes([blob[-100] ^ 0x01]) + blob[-99:],
@@ -65,21 +79,27 @@ def test_inline_kernel_compiles_to_cubin_for_the_arch(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", DECODE_SAMPLE, ids=lambda v: v.split_kernel)
-def test_decode_variants_compile_without_spills(cache_path, arch, variant):
+@pytest.mark.parametrize("variant", PROGRAM_SAMPLE, ids=lambda v: v.kernel_names[0])
+def test_decode_programs_compile_without_spills(cache_path, arch, variant):
     program = variant.compile(arch)
     assert program.cubin.startswith(b"\x7fELF") and program.arch == arch
-    for kernel in (variant.split_kernel, variant.combine_kernel):
+    symbols = {program.symbol(kernel) for kernel in variant.kernel_names}
+    # Each program holds its own kernels and no other: a split variant only the split kernel,
+    # so no kernel is compiled again with every variant.
+    assert set(program.resources) == symbols
+    for kernel in variant.kernel_names:
         symbol = program.symbol(kernel)
-        assert symbol.startswith("_Z"), "template instantiations get their mangled names"
+        assert symbol.startswith("_Z"), "kernels in llfd:: get their mangled names"
         report = program.resources[symbol]
         assert report.registers > 0
         assert report.spill_store_bytes == report.spill_load_bytes == 0, kernel
         assert report.stack_bytes == 0, kernel
-    # The split kernel's dynamic shared memory (its pipelines) starts after the static part;
-    # their bank swizzles hold only if that start is 128-byte aligned.
-    split = program.resources[program.symbol(variant.split_kernel)]
-    assert split.shared_bytes % 128 == 0, split.shared_bytes
+    if isinstance(variant, DecodeVariant):
+        assert variant.kernel_names == (variant.split_kernel,)
+        # The split kernel's dynamic shared memory (its pipelines) starts after the static
+        # part; their bank swizzles hold only if that start is 128-byte aligned.
+        split = program.resources[program.symbol(variant.split_kernel)]
+        assert split.shared_bytes % 128 == 0, split.shared_bytes
 
 
 def test_compile_error_carries_the_log_with_file_and_line():
@@ -105,15 +125,91 @@ def test_options_render_the_arch_into_the_flags(arch):
 
 def test_cache_key_covers_arch_defines_and_name_expressions():
     names = ("llfd::decode_combine<64, 1, llfd::f16>",)
-    base = cache_key("decode.cu", CompileOptions(arch="sm_90"), names)
-    assert base == cache_key("decode.cu", CompileOptions(arch="sm_90"), names)
+    base = cache_key("decode_combine.cu", CompileOptions(arch="sm_90"), names)
+    assert base == cache_key("decode_combine.cu", CompileOptions(arch="sm_90"), names)
     others = {
-        cache_key("decode.cu", CompileOptions(arch="sm_80"), names),
-        cache_key("decode.cu", CompileOptions(arch="sm_90", defines=(("LLFD_X", "1"),)), names),
-        cache_key("decode.cu", CompileOptions(arch="sm_90", extra=("-G",)), names),
-        cache_key("decode.cu", CompileOptions(arch="sm_90"), ()),
+        cache_key("decode_combine.cu", CompileOptions(arch="sm_80"), names),
+        cache_key("decode_combine.cu", CompileOptions(arch="sm_90", defines=(("LLFD_X", "1"),)),
+                  names),
+        cache_key("decode_combine.cu", CompileOptions(arch="sm_90", extra=("-G",)), names),
+        cache_key("decode_combine.cu", CompileOptions(arch="sm_90"), ()),
+        cache_key("decode.cu", CompileOptions(arch="sm_90"), names),  # another source
     }
-    assert base not in others and len(others) == 4
+    assert base not in others and len(others) == 5
+
+
+# -- the key: the sources a program includes, never where they are -------------------------------
+SPLIT_NAMES = (DECODE_SAMPLE[1].split_kernel,)
+
+
+@pytest.fixture
+def kernel_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``copy(name)``: a copy of the shipped kernel directory at tmp_path/name; ``use(path)``
+    points the compiler at it (and forgets the digests of the last one)."""
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(KERNEL_DIR, tmp_path / name / "cu"))
+
+    def use(directory: Path) -> None:
+        monkeypatch.setattr(cache, "KERNEL_DIR", directory)
+        monkeypatch.setattr(nvrtc, "KERNEL_DIR", directory)  # the -I flag too
+        clear_memory_cache()
+
+    yield copy, use
+    clear_memory_cache()
+
+
+def key_in(use, directory: Path, source: str = "decode.cu", names=SPLIT_NAMES) -> str:
+    use(directory)
+    return cache_key(source, CompileOptions(arch="sm_90"), names)
+
+
+def test_cache_key_does_not_depend_on_where_the_kernels_are(kernel_copies):
+    copy, use = kernel_copies
+    first, second = copy("checkout"), copy("site-packages/lowlevel_fd")
+    for source, names in (("decode.cu", SPLIT_NAMES),
+                          ("decode_combine.cu", COMBINE_SAMPLE[0].kernel_names),
+                          ("lengths.cu", LENGTHS.kernel_names)):
+        keys = set()
+        for directory in (first, second, KERNEL_DIR):
+            keys.add(key_in(use, directory, source, names))
+            assert f"-I{directory}" in CompileOptions().flags(), "the include path differs..."
+        assert len(keys) == 1, f"...yet a checkout and an installed copy share {source}'s entry"
+
+
+@pytest.mark.parametrize("source, header", [
+    ("decode.cu", "decode.cu"),           # the source itself
+    ("decode.cu", "decode_merge.cuh"),    # included by the source
+    ("decode.cu", "decode_pipeline.cuh"),  # via decode_fragments.cuh
+    ("decode.cu", "kv_types.cuh"),        # via decode_append.cuh -> decode_params.cuh
+    ("decode.cu", "common.cuh"),          # three levels down
+    ("lengths.cu", "kv_types.cuh"),
+    ("append.cu", "rows.cuh"),
+])
+def test_cache_key_changes_with_every_header_the_source_includes(kernel_copies, source,
+                                                                 header):
+    copy, use = kernel_copies
+    directory = copy("kernels")
+    before = key_in(use, directory, source, ())
+    with open(directory / header, "a") as handle:
+        handle.write("\n// an edit\n")
+    assert key_in(use, directory, source, ()) != before
+
+
+@pytest.mark.parametrize("source, header", [
+    ("decode.cu", "append_params.cuh"),   # the append family's
+    ("decode.cu", "decode_combine.cu"),   # another program's source
+    ("lengths.cu", "decode_merge.cuh"),   # decode's, not the length bump's
+    ("decode_combine.cu", "rows.cuh"),
+    ("append.cu", "decode_params.cuh"),
+])
+def test_cache_key_ignores_headers_the_source_does_not_include(kernel_copies, source, header):
+    copy, use = kernel_copies
+    directory = copy("kernels")
+    before = key_in(use, directory, source, ())
+    with open(directory / header, "a") as handle:
+        handle.write("\n// an edit elsewhere\n")
+    (directory / "unrelated.cuh").write_text("#pragma once\n")
+    assert key_in(use, directory, source, ()) == before
 
 
 # -- the cache ---------------------------------------------------------------------------------
@@ -152,6 +248,44 @@ def test_miss_compiles_and_writes_one_entry_then_memory_and_disk_hit(cache_path,
     assert from_disk.cubin == first.cubin and from_disk.resources == first.resources
     assert from_disk.lowered_names == first.lowered_names and from_disk.log == first.log
     assert from_disk.symbol("scale<2>").startswith("_Z")
+
+
+def test_an_in_process_hit_reads_no_file(cache_path, kernel_dir, nvrtc_calls, monkeypatch):
+    first = compile_tiny(kernel_dir)
+    reads: list[str] = []
+
+    def no_reading(self, *args, **kwargs):
+        reads.append(str(self))
+        raise AssertionError(f"an in-process hit read {self}")
+
+    with monkeypatch.context() as patch:
+        for method in ("read_bytes", "read_text", "open"):
+            patch.setattr(Path, method, no_reading)
+        again = compile_tiny(kernel_dir)
+    assert again is first and reads == [] and nvrtc_calls == ["tiny.cu"]
+
+
+def test_sources_are_read_once_per_process_until_the_memory_cache_is_cleared(kernel_dir):
+    clear_memory_cache()
+    options, names = CompileOptions(arch="sm_90"), ("scale<2>",)
+    key = cache_key("tiny.cu", options, names)
+    (kernel_dir / "tiny.cuh").write_text("constexpr float kBase = 3.0f;\n")
+    assert cache_key("tiny.cu", options, names) == key, "the digest is memoised per process"
+    clear_memory_cache()  # forgets the digests too: the edit is seen
+    assert cache_key("tiny.cu", options, names) != key
+
+
+def test_nvrtc_compiles_counts_misses_only(cache_path, kernel_dir, nvrtc_calls):
+    before = nvrtc_compiles()
+    compile_tiny(kernel_dir)                    # miss
+    assert nvrtc_compiles() == before + 1
+    compile_tiny(kernel_dir)                    # in-process hit
+    clear_memory_cache()
+    compile_tiny(kernel_dir)                    # disk hit
+    assert nvrtc_compiles() == before + 1
+    compile_tiny(kernel_dir, arch="sm_80")      # misses: another arch, another instantiation
+    compile_tiny(kernel_dir, n=3)
+    assert nvrtc_compiles() == before + 3 == before + len(nvrtc_calls)
 
 
 def test_another_arch_or_instantiation_is_another_entry(cache_path, kernel_dir, nvrtc_calls):
@@ -267,3 +401,75 @@ def test_two_processes_compiling_the_same_kernel_both_succeed(cache_path, kernel
     # The two CUBINs may differ in a few bytes (a temporary name in the line info): the
     # entry is whichever rename came last.
     assert hashlib.sha256(program.cubin).hexdigest() in digests
+
+
+# -- what Python and the kernels must agree on ----------------------------------------------------
+KV_TYPES = (KERNEL_DIR / "kv_types.cuh").read_text()
+
+
+def cuda_enum(name: str) -> dict[str, int]:
+    """The enumerators of ``enum name : int { ... }`` in kv_types.cuh."""
+    body = re.search(rf"enum\s+{name}\s*:\s*int\s*\{{([^}}]*)\}}", KV_TYPES)
+    assert body, f"enum {name} not found in kv_types.cuh"
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"(\w+)\s*=\s*(\d+)", body.group(1))}
+
+
+def cuda_constant(name: str) -> int:
+    match = re.search(rf"constexpr\s+uint32_t\s+{name}\s*=\s*(\d+)u?\s*;", KV_TYPES)
+    assert match, f"{name} not found in kv_types.cuh"
+    return int(match.group(1))
+
+
+def test_support_ids_are_the_enums_of_kv_types():
+    assert cuda_enum("ScaleMode") == {
+        "kScalePer" + mode.capitalize(): i for mode, i in support.SCALE_MODE_IDS.items()}
+    assert set(support.SCALE_MODE_IDS) == set(support.SCALE_MODES)
+    assert cuda_enum("RopeStyle") == {
+        "kRope" + (style or "none").capitalize(): i for style, i in support.ROPE_IDS.items()}
+    assert set(support.ROPE_IDS) == set(support.ROPE_STYLES)
+    assert cuda_constant("kErrorOutsideCache") == support.ERROR_OUTSIDE_CACHE == 1
+    assert cuda_constant("kErrorPromptLength") == support.ERROR_PROMPT_LENGTH == 2
+    assert (lowlevel_fd.ERROR_OUTSIDE_CACHE, lowlevel_fd.ERROR_PROMPT_LENGTH) == (
+        support.ERROR_OUTSIDE_CACHE, support.ERROR_PROMPT_LENGTH)
+
+
+# (field, ctypes type, byte offset): cu/decode_params.cuh, written out field by field.
+DECODE_PARAMS_LAYOUT = (
+    [(name, ctypes.c_uint64, 8 * i) for i, name in enumerate(
+        ("q", "k_cache", "v_cache", "k_scale", "v_scale", "seq_lens", "out", "lse",
+         "partial_out", "partial_lse", "counters", "error_flags"))]
+    + [(name, ctypes.c_int64, 96 + 8 * i) for i, name in enumerate(
+        ("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride",
+         "kv_batch_stride", "kv_head_stride", "kv_token_stride", "scale_batch_stride",
+         "scale_head_stride"))]
+    + [("score_scale_log2", ctypes.c_float, 168), ("num_kv_heads", ctypes.c_int32, 172),
+       ("num_splits", ctypes.c_int32, 176), ("min_split_tokens", ctypes.c_int32, 180),
+       ("capacity", ctypes.c_int32, 184), ("fused_merge", ctypes.c_int32, 188),
+       ("append", ctypes.c_int32, 192), ("rope", ctypes.c_int32, 196),
+       ("rope_theta", ctypes.c_float, 200), ("cluster_slots_offset", ctypes.c_int32, 204),
+       ("early_reads", ctypes.c_int32, 208),
+       ("k_new", ctypes.c_uint64, 216), ("v_new", ctypes.c_uint64, 224),
+       ("cos_sin", ctypes.c_uint64, 232),
+       ("k_new_batch_stride", ctypes.c_int64, 240), ("k_new_head_stride", ctypes.c_int64, 248),
+       ("v_new_batch_stride", ctypes.c_int64, 256), ("v_new_head_stride", ctypes.c_int64, 264)])
+
+
+def test_decode_params_layout_field_by_field():
+    assert [(name, ctype) for name, ctype in DecodeParams._fields_] == [
+        (name, ctype) for name, ctype, _ in DECODE_PARAMS_LAYOUT]
+    assert {name: getattr(DecodeParams, name).offset for name, _ in DecodeParams._fields_} == {
+        name: offset for name, _, offset in DECODE_PARAMS_LAYOUT}
+    assert ctypes.sizeof(DecodeParams) == 272
+
+
+def test_decode_params_match_the_cuda_struct_field_by_field():
+    # The compiler's word: every offset and the size, as static_asserts on the real header.
+    asserts = "".join(
+        f"static_assert(__builtin_offsetof(llfd::DecodeParams, {name}) == "
+        f"{getattr(DecodeParams, name).offset}, \"{name}\");\n"
+        for name, _ in DecodeParams._fields_)
+    asserts += (f"static_assert(sizeof(llfd::DecodeParams) == {ctypes.sizeof(DecodeParams)}, "
+                f"\"size\");\n")
+    compile_source(f'#include "decode_params.cuh"\n{asserts}', "offsets.cu",
+                   CompileOptions(arch="sm_90"))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from decode_case import Case
 
+from lowlevel_fd import ERROR_OUTSIDE_CACHE
 from lowlevel_fd.decode import TileConfig
 from lowlevel_fd.driver import DeviceArray, capture
 
@@ -15,17 +16,17 @@ LENGTHS = [1, 2, 63, 64, 65, 1000, 1023, 1024, 1025, 4097, 32768, 131072]
 MODES = [("tensor", "float32"), ("head", "float32"), ("token", "float32"), ("token", "float16")]
 
 
-@pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("scale_mode,scale_dtype", MODES)
 @pytest.mark.parametrize("kv_layout", ["bnsh", "bsnh"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_support_matrix(rng, stream, head_dim, group, kv_layout, scale_mode, scale_dtype,
-                        q_dtype):
+                        dtype):
     num_kv_heads = 2
     case = Case.random(rng, RAGGED, num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, kv_layout=kv_layout, scale_mode=scale_mode,
-                       scale_dtype=scale_dtype, q_dtype=q_dtype)
+                       scale_dtype=scale_dtype, dtype=dtype)
     with case.make_plan() as plan:
         case.check(*case.run(plan, stream))
 
@@ -133,8 +134,8 @@ def test_length_beyond_capacity_is_clamped_and_flagged(rng, stream):
         plan.run(d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"], d["seq_lens"], d["out"],
                  stream=stream)
         stream.synchronize()
-        assert plan.error_flags() & 1
-        assert plan.error_flags() == 0  # cleared by the read
+        assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
+        assert plan.error_flags(stream=stream) == 0  # cleared by the read
         out = d["out"].numpy().astype(np.float64)
         ref, _ = case.reference()  # host lengths are 64, 64: the clamp gives the same answer
         assert np.abs(out - ref).max() / np.abs(ref).max() <= 2e-3
@@ -159,3 +160,71 @@ def test_cache_beyond_4_gib_uses_64_bit_offsets(rng, stream):
         case.check(*case.run(plan, stream))
     k_pool.close()
     v_pool.close()
+
+
+def test_error_flags_are_read_in_stream_order(rng, stream):
+    """error_flags(stream=s) waits for the work already enqueued on s, with no synchronize by
+    the caller: the bit raised by the last of many queued runs is seen, and the read clears it
+    on s (a second read returns 0)."""
+    capacity = 16384
+    case = Case.random(rng, [capacity, capacity], capacity=capacity)
+    d = case.upload()
+    beyond = DeviceArray.from_numpy(np.array([capacity, 10**6], np.int32))
+    with case.make_plan() as plan:
+        assert plan.error_flags(stream=stream) == 0  # before the first plan
+        plan.plan([capacity, capacity])
+        assert plan.error_flags(stream=stream) == 0
+        args = (d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"])
+        for _ in range(50):  # lengths within the capacity: no bit; they keep the stream busy
+            plan.run(*args, d["seq_lens"], d["out"], lse=d["lse"], stream=stream)
+        plan.run(*args, beyond, d["out"], lse=d["lse"], stream=stream)  # 10**6: clamped
+        assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
+        assert plan.error_flags(stream=stream) == 0  # cleared by the read, on the stream
+        stream.synchronize()
+        # The host lengths are [capacity, capacity]: the clamp gives the same answer.
+        case.check(d["out"].numpy().astype(np.float64), d["lse"].numpy().astype(np.float64))
+
+
+def test_prepared_run_launches_bitwise_what_run_launches(rng, stream):
+    """prepare_run validates run()'s arguments once; each launch(stream) issues that run, also
+    after run() was called with other buffers in between and inside a captured graph. After
+    the next plan() it is stale (RuntimeError); after close() too."""
+    case = Case.random(rng, [4097, 1, 300, 0, 2048])
+    d = case.upload()
+    args = (d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"], d["seq_lens"])
+    other_out = DeviceArray.empty(d["out"].shape, d["out"].dtype)
+
+    def launched(call):
+        d["out"].fill(float("nan"))
+        d["lse"].fill(float("nan"))
+        call()
+        stream.synchronize()
+        return d["out"].numpy().tobytes(), d["lse"].numpy().tobytes()
+
+    with case.make_plan() as plan:
+        out, lse = case.run(plan, stream)
+        case.check(out, lse)
+        expected = (d["out"].numpy().tobytes(), d["lse"].numpy().tobytes())
+        prepared = plan.prepare_run(*args, d["out"], lse=d["lse"])
+        for attempt in range(3):
+            assert launched(lambda: prepared.launch(stream)) == expected, f"launch {attempt}"
+        # run() binds other arguments into the plan; the prepared call keeps its own.
+        other_out.fill(float("nan"))
+        assert launched(lambda: (plan.run(*args, other_out, stream=stream),
+                                 prepared.launch(stream))) == expected
+        ref, _ = case.reference()
+        error = np.abs(other_out.numpy().astype(np.float64) - ref).max() / np.abs(ref).max()
+        assert error <= 2e-3, "run() with other_out wrote other_out"
+        with capture(stream) as graph:
+            prepared.launch(stream)
+        assert launched(lambda: graph.launch(stream)) == expected, "graph replay"
+        graph.close()
+
+        plan.plan(case.lengths)  # the same lengths: the same launch, but a new plan
+        with pytest.raises(RuntimeError, match="planned again"):
+            prepared.launch(stream)
+        fresh = plan.prepare_run(*args, d["out"], lse=d["lse"])
+        assert launched(lambda: fresh.launch(stream)) == expected, "re-prepared after re-plan"
+    with pytest.raises(RuntimeError, match="closed"):
+        fresh.launch(stream)
+    other_out.close()

@@ -112,6 +112,7 @@ def test_graph_replay_sees_new_inputs(stream, axpb, rng):
         launch(stream, LaunchConfig(2, 256), axpb, y, x, np.float32(2), np.int32(0),
                np.int64(512), np.float64(0))
     assert graph.node_count == 1
+    assert graph.node_kinds() == {"kernel": 1}
     graph.upload(stream)
     for _ in range(3):
         host = rng.standard_normal(512).astype(np.float32)

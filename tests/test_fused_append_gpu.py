@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from decode_case import TOLERANCE, Case
 
+from lowlevel_fd import ERROR_OUTSIDE_CACHE
 from lowlevel_fd.append import AppendPlan
 from lowlevel_fd.append.reference import append_ref
 from lowlevel_fd.decode import TileConfig
@@ -29,7 +30,7 @@ class Fused:
                  num_q_heads=32, num_kv_heads=8, head_dim=128, **options):
         self.case = Case.random(rng, positions, capacity=capacity, num_q_heads=num_q_heads,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim, **options)
-        c, qt = self.case, dtypes.as_dtype(self.case.q_dtype)
+        c, qt = self.case, dtypes.as_dtype(self.case.dtype)
         shape = (c.batch, num_kv_heads, head_dim)
         # K of unit variance, V twice as large: per-token scales differ from the cache's.
         self.k_new = rng.standard_normal(shape).astype(qt)
@@ -48,9 +49,16 @@ class Fused:
         pos, cap = self.positions, self.case.capacity
         return np.where((pos >= 0) & (pos < cap), pos + 1, np.clip(pos, 0, cap))
 
+    def planned(self) -> np.ndarray:
+        """The host lengths to plan with: plan(append=True) takes the cached lengths and plans
+        for one more token each, so a position in the cache is planned as itself. A position
+        outside it (the device length a graph replay may meet) is planned as the nearest
+        valid one: S_max - 1 (planned to attend the S_max tokens the kernel clamps to) or 0."""
+        return np.clip(self.positions, 0, self.case.capacity - 1)
+
     def run(self, stream, config: TileConfig | None = None):
         d = self.device
-        self.plan.plan(np.maximum(self.attended(), 0), config=config, append=True)
+        self.plan.plan(self.planned(), config=config, append=True)
         d["out"].fill(float("nan"))
         d["lse"].fill(float("nan"))
         self.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],
@@ -70,7 +78,7 @@ class Fused:
                            scale_dtype=scale_dtype, rope=self.rope, cos_sin=self.table,
                            theta=THETA, q=h["q"])
         # The kernel rounds the rotated query once to the query dtype, as append_token does.
-        q_used = q_rot.astype(dtypes.as_dtype(c.q_dtype)).astype(np.float32)
+        q_used = q_rot.astype(dtypes.as_dtype(c.dtype)).astype(np.float32)
         out, lse = decode_attention_ref(q_used, mirror["k"], mirror["v"], mirror["k_scale"],
                                         mirror["v_scale"], self.attended(),
                                         kv_layout=c.kv_layout, scale_mode=c.scale_mode)
@@ -80,7 +88,7 @@ class Fused:
         ref, ref_lse, mirror = self.oracle()
         assert not np.isnan(out).any() and not np.isnan(lse).any(), "NaN poison left"
         error = float(np.abs(out - ref).max() / np.abs(ref).max())
-        assert error <= TOLERANCE[self.case.q_dtype], f"max|out-ref|/max|ref| = {error:.3e}"
+        assert error <= TOLERANCE[self.case.dtype], f"max|out-ref|/max|ref| = {error:.3e}"
         finite = np.isfinite(ref_lse)
         assert np.array_equal(np.isfinite(lse), finite)
         np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-3)
@@ -98,7 +106,7 @@ class Fused:
         return error
 
 
-# (head_dim, Hq, Hkv, kv_layout, scale_mode, scale_dtype, q_dtype, rope, table)
+# (head_dim, Hq, Hkv, kv_layout, scale_mode, scale_dtype, dtype, rope, table)
 MATRIX = [
     (128, 32, 8, "bnsh", "token", "float32", "float16", "neox", True),
     (128, 32, 8, "bsnh", "token", "float16", "float16", "gptj", False),
@@ -116,15 +124,15 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("head_dim, hq, hkv, kv_layout, scale_mode, scale_dtype, q_dtype, rope, "
+@pytest.mark.parametrize("head_dim, hq, hkv, kv_layout, scale_mode, scale_dtype, dtype, rope, "
                          "table", MATRIX)
 def test_append_and_run_matches_the_oracle(rng, stream, head_dim, hq, hkv, kv_layout, scale_mode,
-                                           scale_dtype, q_dtype, rope, table):
+                                           scale_dtype, dtype, rope, table):
     fused = Fused(rng, POSITIONS, rope=rope, table=table, num_q_heads=hq, num_kv_heads=hkv,
                   head_dim=head_dim, kv_layout=kv_layout, scale_mode=scale_mode,
-                  scale_dtype=scale_dtype, q_dtype=q_dtype)
+                  scale_dtype=scale_dtype, dtype=dtype)
     fused.check(*fused.run(stream))
-    assert fused.plan.error_flags() == 0
+    assert fused.plan.error_flags(stream=stream) == 0
     fused.plan.close()
 
 
@@ -156,7 +164,7 @@ def test_positions_outside_the_cache_write_nothing_and_raise_the_flag(rng, strea
     out, lse = fused.run(stream)
     fused.check(out, lse)  # the oracle attends min(max(pos, 0), S_max) with q unrotated
     assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
-    assert fused.plan.error_flags() & 1
+    assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
     fused.plan.close()
 
 
@@ -174,9 +182,9 @@ def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_
     copies = {name: DeviceArray.from_numpy(c.host[name]) for name in ("k", "v", "k_scale",
                                                                        "v_scale", "q")}
     out, _ = fused.run(stream)
-    with AppendPlan(c.num_q_heads, c.num_kv_heads, c.head_dim, max_batch=c.batch,
-                    kv_layout=kv_layout, scale_mode=scale_mode, scale_dtype=scale_dtype,
-                    rope=rope, rope_theta=THETA) as append:
+    with AppendPlan.create(c.num_q_heads, c.num_kv_heads, c.head_dim, max_batch=c.batch,
+                           kv_layout=kv_layout, scale_mode=scale_mode, scale_dtype=scale_dtype,
+                           rope=rope, rope_theta=THETA) as append:
         positions = DeviceArray.from_numpy(c.host["seq_lens"])
         append.run(d["k_new"], d["v_new"], copies["k"], copies["v"], copies["k_scale"],
                    copies["v_scale"], positions, q=copies["q"] if rope else None,
@@ -190,6 +198,37 @@ def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_
                               copies[name].numpy().view(np.uint8)), name
     error = np.abs(out - unfused.numpy()).max() / np.abs(out).max()
     assert error <= 2e-3
+    fused.plan.close()
+
+
+def test_prepared_append_and_run_launches_bitwise_what_append_and_run_launches(rng, stream):
+    """prepare_append_and_run validates append_and_run()'s arguments once; launch(stream) from
+    the same starting caches writes bitwise the same out, lse and cache bytes (either
+    early_reads) and raises the same flag (position S_max). After the next plan() the
+    prepared call is stale (RuntimeError)."""
+    fused = Fused(rng, [7, 300, 2048, CAPACITY], rope="neox", table=True)
+    c, d = fused.case, fused.device
+    fused.check(*fused.run(stream))
+    assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
+    names = ("out", "lse", "k", "v", "k_scale", "v_scale", "q")
+    expected = {name: d[name].numpy().tobytes() for name in names}
+    args = (d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"], d["v_scale"],
+            d["seq_lens"], d["out"])
+    for early_reads in (False, True):
+        prepared = fused.plan.prepare_append_and_run(*args, cos_sin=d["cos_sin"], lse=d["lse"],
+                                                     early_reads=early_reads)
+        for name in ("k", "v", "k_scale", "v_scale"):  # the caches before the append
+            d[name].copy_from_numpy(c.host[name])
+        d["out"].fill(float("nan"))
+        d["lse"].fill(float("nan"))
+        prepared.launch(stream)
+        stream.synchronize()
+        for name in names:
+            assert d[name].numpy().tobytes() == expected[name], (early_reads, name)
+        assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, early_reads
+    fused.plan.plan(fused.planned(), append=True)
+    with pytest.raises(RuntimeError, match="planned again"):
+        prepared.launch(stream)
     fused.plan.close()
 
 

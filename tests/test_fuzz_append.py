@@ -6,6 +6,7 @@ from __future__ import annotations
 from fuzz_cases import RunCase, append_run_cases, prompt_run_cases
 from fuzz_support import EXAMPLES, assert_rejected, fuzz
 from fuzz_support import nothing_launches  # noqa: F401  (autouse: nothing may launch)
+from lowlevel_fd import KVCacheSpec
 from lowlevel_fd.append import quantize_prompt
 
 
@@ -27,8 +28,9 @@ def test_prompt_quantizer_run_rejects_bad_arguments():
 def test_quantize_prompt_rejects_bad_arguments():
     def check(case: RunCase) -> None:
         s = case.setup
-        options = {"kv_layout": s["layout"], "prompt_layout": s["prompt_layout"],
-                   "scale_mode": s["mode"], "rope": s["rope"]}
-        assert_rejected(lambda: quantize_prompt(**case.broken.arguments, **options, stream=0),
+        cache = KVCacheSpec(s["heads"], s["head_dim"], kv_layout=s["layout"],
+                            scale_mode=s["mode"], scale_dtype=s["scale_dtype"], rope=s["rope"])
+        assert_rejected(lambda: quantize_prompt(cache, **case.broken.arguments,
+                                                prompt_layout=s["prompt_layout"], stream=0),
                         case.broken.names, case)
     assert fuzz(prompt_run_cases(for_function=True), check) >= EXAMPLES

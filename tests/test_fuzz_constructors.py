@@ -1,6 +1,7 @@
-"""Fuzzing of the constructors' option checks (DecodePlan, AppendPlan, PromptQuantizer): a valid
-configuration with one option broken, a wrong value or a wrong type, must raise ValueError or
-TypeError naming that option (see fuzz_support). Valid ones store dtype options as plain names.
+"""Fuzzing of the constructors' option checks (KVCacheSpec, and the keyword forms of DecodePlan,
+AppendPlan, PromptQuantizer and DecodeStep): a valid configuration with one option broken, a
+wrong value or a wrong type, must raise ValueError or TypeError naming that option (see
+fuzz_support). Valid ones store dtype options as plain names.
 """
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from fuzz_support import (ALL_DTYPES, DEVICE, DTYPES, EXAMPLES, LAYOUTS, ROPES, SCALES, Broken,
+from fuzz_support import (ALL_DTYPES, DTYPES, EXAMPLES, LAYOUTS, ROPES, SCALES, Broken,
                           assert_rejected, fuzz)
 from fuzz_support import nothing_launches  # noqa: F401  (autouse: nothing may launch)
-from lowlevel_fd.append import AppendPlan, PromptQuantizer
-from lowlevel_fd.decode import DecodePlan
-from lowlevel_fd.decode.variants import GROUP_SIZES, HEAD_DIMS
+from lowlevel_fd import AppendPlan, DecodePlan, DecodeStep, KVCacheSpec, PromptQuantizer
+from lowlevel_fd.core.support import CACHE_DTYPES, GROUP_SIZES, HEAD_DIMS
 from lowlevel_fd.driver import dtypes
+from stand_ins import DEVICE
 
 
 # -- wrong options ------------------------------------------------------------------------------
@@ -90,33 +91,84 @@ WRONG_DEVICES = ["cuda:0", "cuda", 0, 1, 1.0, True, b"0", [0], object(),
 NOT_REALS = ["x", "0.1", None, True, [1.0], b"1", 1j]
 
 
+def theta_wrong() -> st.SearchStrategy:
+    """rope_theta values a spec refuses: not a real number, not finite, or not above 1."""
+    return st.sampled_from(NOT_REALS) | st.floats(allow_nan=True).filter(
+        lambda t: not (math.isfinite(t) and t > 1))
+
+
+def cache_field(draw: st.DrawFn, valid: dict[str, Any], field: str) -> Any:
+    """A wrong value for a field of the cache spec (the keyword forms pass them on)."""
+    return draw({
+        "head_dim": wrong_choice(HEAD_DIMS),
+        "kv_layout": wrong_choice(LAYOUTS),
+        "scale_mode": wrong_choice(("tensor", "head", "token")),
+        "scale_dtype": wrong_dtype(("float32", "float16") if valid["scale_mode"] == "token"
+                                   else ("float32",)),
+        "rope": wrong_choice(ROPES),
+        "rope_theta": theta_wrong(),
+    }[field])
+
+
+CACHE_FIELDS = ["head_dim", "kv_layout", "scale_mode", "scale_dtype", "rope", "rope_theta"]
+
+
+def cache_configuration(draw: st.DrawFn) -> dict[str, Any]:
+    """Valid cache options, dtype options as names or numpy dtypes."""
+    mode, scale_dtype = draw(st.sampled_from(SCALES))
+    return {"head_dim": draw(st.sampled_from(HEAD_DIMS)),
+            "kv_layout": draw(st.sampled_from(LAYOUTS)), "scale_mode": mode,
+            "scale_dtype": draw(dtype_forms((scale_dtype,))), "rope": draw(st.sampled_from(ROPES)),
+            "rope_theta": draw(st.floats(1.5, 1e7))}
+
+
+# -- KVCacheSpec --------------------------------------------------------------------------------
+@st.composite
+def spec_cases(draw: st.DrawFn) -> Broken:
+    valid = {"num_kv_heads": draw(st.integers(1, 2**31 - 1)), **cache_configuration(draw),
+             "cache_dtype": draw(dtype_forms(CACHE_DTYPES))}
+    spec = KVCacheSpec(**valid)  # the starting point is valid
+    assert (type(spec.scale_dtype), type(spec.cache_dtype)) == (str, str), "names key variants"
+    assert (type(spec.num_kv_heads), type(spec.head_dim)) == (int, int)
+    field = draw(st.sampled_from(["num_kv_heads", "cache_dtype"] + CACHE_FIELDS))
+    if field == "num_kv_heads":
+        value = draw(wrong_int(-2**40, 0) | st.integers(2**31, 2**62))
+    elif field == "cache_dtype":
+        value = draw(wrong_dtype(CACHE_DTYPES))
+    else:
+        value = cache_field(draw, valid, field)
+    return Broken(field, "value", valid | {field: value}, (field,))
+
+
+def test_cache_spec_rejects_bad_fields():
+    def check(case: Broken) -> None:
+        assert_rejected(lambda: KVCacheSpec(**case.arguments), case.names, case)
+    assert fuzz(spec_cases(), check) >= EXAMPLES
+
+
 # -- DecodePlan ---------------------------------------------------------------------------------
 @st.composite
 def decode_constructor_cases(draw: st.DrawFn) -> Broken:
     kv_heads, group = draw(st.integers(1, 8)), draw(st.sampled_from(GROUP_SIZES))
-    mode, scale_dtype = draw(st.sampled_from(SCALES))
     valid = {"num_q_heads": kv_heads * group, "num_kv_heads": kv_heads,
-             "head_dim": draw(st.sampled_from(HEAD_DIMS)),
+             **cache_configuration(draw),
              "max_batch": draw(st.integers(1, 512)),
              "max_seq_len": draw(st.integers(1, 2**31 - 1)),
-             "q_dtype": draw(dtype_forms(DTYPES)), "kv_layout": draw(st.sampled_from(LAYOUTS)),
-             "scale_mode": mode, "scale_dtype": draw(dtype_forms((scale_dtype,))),
+             "dtype": draw(dtype_forms(DTYPES)),
              "sm_scale": draw(st.none() | st.floats(1e-3, 10.0)), "device": DEVICE}
-    plan = DecodePlan(**valid)  # the starting point is valid
-    assert (type(plan.q_dtype), type(plan.scale_dtype)) == (str, str), "names key the variants"
-    field = draw(st.sampled_from(["heads", "head_dim", "max_batch", "max_seq_len", "q_dtype",
-                                  "kv_layout", "scale_mode", "scale_dtype", "sm_scale",
-                                  "device"]))
+    plan = DecodePlan.create(**valid)  # the starting point is valid
+    assert (type(plan.dtype), type(plan.cache.scale_dtype)) == (str, str), "names key variants"
+    field = draw(st.sampled_from(["heads", "max_batch", "max_seq_len", "dtype", "sm_scale",
+                                  "device"] + CACHE_FIELDS))
     if field == "heads":
         kind, changes, names = draw(heads(16, GROUP_SIZES))
         return Broken(field, kind, valid | changes, names)
+    if field in CACHE_FIELDS:
+        return Broken(field, "value", valid | {field: cache_field(draw, valid, field)}, (field,))
     wrong = {
-        "head_dim": wrong_choice(HEAD_DIMS),
-        "max_batch": wrong_int(-2**40, 0),
+        "max_batch": wrong_int(-2**40, 0) | st.integers(2**31, 2**62),
         "max_seq_len": wrong_int(-2**40, 0) | st.integers(2**31, 2**62),
-        "q_dtype": wrong_dtype(DTYPES), "kv_layout": wrong_choice(LAYOUTS),
-        "scale_mode": wrong_choice(("tensor", "head", "token")),
-        "scale_dtype": wrong_dtype(("float32", "float16") if mode == "token" else ("float32",)),
+        "dtype": wrong_dtype(DTYPES),
         # None is valid (the 1/sqrt(head_dim) default), so it is not among the wrong values.
         "sm_scale": st.sampled_from([x for x in NOT_REALS if x is not None] + [0, 0.0, -0.0])
         | st.floats(allow_nan=True).filter(lambda s: not math.isfinite(s)),
@@ -127,52 +179,45 @@ def decode_constructor_cases(draw: st.DrawFn) -> Broken:
 
 def test_decode_plan_constructor_rejects_bad_configurations():
     def check(case: Broken) -> None:
-        assert_rejected(lambda: DecodePlan(**case.arguments), case.names, case)
+        assert_rejected(lambda: DecodePlan.create(**case.arguments), case.names, case)
     assert fuzz(decode_constructor_cases(), check) >= EXAMPLES
 
 
 # -- AppendPlan and PromptQuantizer ------------------------------------------------------------
 def runner_configuration(draw: st.DrawFn) -> dict[str, Any]:
-    mode, scale_dtype = draw(st.sampled_from(SCALES))
-    return {"num_kv_heads": draw(st.integers(1, 8)), "head_dim": draw(st.sampled_from(HEAD_DIMS)),
-            "max_batch": draw(st.integers(1, 512)), "kv_layout": draw(st.sampled_from(LAYOUTS)),
-            "scale_mode": mode, "scale_dtype": draw(dtype_forms((scale_dtype,))),
-            "dtype": draw(dtype_forms(DTYPES)), "rope": draw(st.sampled_from(ROPES)),
-            "rope_theta": draw(st.floats(1.5, 1e7)), "device": DEVICE}
+    return {"num_kv_heads": draw(st.integers(1, 8)), **cache_configuration(draw),
+            "max_batch": draw(st.integers(1, 512)), "dtype": draw(dtype_forms(DTYPES)),
+            "device": DEVICE}
 
 
 def runner_field(draw: st.DrawFn, valid: dict[str, Any], field: str) -> Any:
-    """A wrong value for a field KernelRunner validates."""
+    """A wrong value for a field that KernelRunner or the cache spec validates."""
+    if field in CACHE_FIELDS:
+        return cache_field(draw, valid, field)
     return draw({
-        "head_dim": wrong_choice(HEAD_DIMS),
-        "max_batch": wrong_int(-2**40, 0),
-        "kv_layout": wrong_choice(LAYOUTS), "dtype": wrong_dtype(DTYPES),
-        "scale_mode": wrong_choice(("tensor", "head", "token")),
-        "scale_dtype": wrong_dtype(("float32", "float16") if valid["scale_mode"] == "token"
-                                   else ("float32",)),
-        "rope": wrong_choice(ROPES),
-        "rope_theta": st.sampled_from(NOT_REALS)
-        | st.floats(allow_nan=True).filter(lambda t: not (math.isfinite(t) and t > 1)),
+        "max_batch": wrong_int(-2**40, 0) | st.integers(2**31, 2**62),
+        "dtype": wrong_dtype(DTYPES),
         "device": st.sampled_from(WRONG_DEVICES),
     }[field])
 
 
-RUNNER_FIELDS = ["head_dim", "max_batch", "kv_layout", "dtype", "scale_mode", "scale_dtype",
-                 "rope", "rope_theta", "device"]
+RUNNER_FIELDS = ["max_batch", "dtype", "device"] + CACHE_FIELDS
 
 
 def stores_plain_names(runner: Any) -> None:
-    assert (type(runner.dtype), type(runner.scale_dtype)) == (str, str), "names key the variants"
+    assert (type(runner.dtype), type(runner.cache.scale_dtype)) == (str, str), (
+        "names key the variants")
 
 
 @st.composite
 def append_constructor_cases(draw: st.DrawFn) -> Broken:
     valid = runner_configuration(draw)
-    valid["num_q_heads"] = valid["num_kv_heads"] * draw(st.integers(1, 16))
-    stores_plain_names(AppendPlan(**valid))
+    # Groups follow the support matrix (AppendPlan once took any of 1..16).
+    valid["num_q_heads"] = valid["num_kv_heads"] * draw(st.sampled_from(GROUP_SIZES))
+    stores_plain_names(AppendPlan.create(**valid))
     field = draw(st.sampled_from(["heads"] + RUNNER_FIELDS))
     if field == "heads":
-        kind, changes, names = draw(heads(16, tuple(range(1, 17))))
+        kind, changes, names = draw(heads(16, GROUP_SIZES))
         return Broken(field, kind, valid | changes, names)
     return Broken(field, "value", valid | {field: runner_field(draw, valid, field)}, (field,))
 
@@ -180,7 +225,7 @@ def append_constructor_cases(draw: st.DrawFn) -> Broken:
 @st.composite
 def prompt_constructor_cases(draw: st.DrawFn) -> Broken:
     valid = runner_configuration(draw) | {"prompt_layout": draw(st.sampled_from(("bsnh", "bnsh")))}
-    stores_plain_names(PromptQuantizer(**valid))
+    stores_plain_names(PromptQuantizer.create(**valid))
     field = draw(st.sampled_from(["num_kv_heads", "prompt_layout", "max_batch"] + RUNNER_FIELDS))
     if field == "num_kv_heads":
         value = draw(wrong_int(-2**40, 0))
@@ -195,11 +240,42 @@ def prompt_constructor_cases(draw: st.DrawFn) -> Broken:
 
 def test_append_plan_constructor_rejects_bad_configurations():
     def check(case: Broken) -> None:
-        assert_rejected(lambda: AppendPlan(**case.arguments), case.names, case)
+        assert_rejected(lambda: AppendPlan.create(**case.arguments), case.names, case)
     assert fuzz(append_constructor_cases(), check) >= EXAMPLES
 
 
 def test_prompt_quantizer_constructor_rejects_bad_configurations():
     def check(case: Broken) -> None:
-        assert_rejected(lambda: PromptQuantizer(**case.arguments), case.names, case)
+        assert_rejected(lambda: PromptQuantizer.create(**case.arguments), case.names, case)
     assert fuzz(prompt_constructor_cases(), check) >= EXAMPLES
+
+
+# -- DecodeStep ---------------------------------------------------------------------------------
+@st.composite
+def step_constructor_cases(draw: st.DrawFn) -> Broken:
+    kv_heads, group = draw(st.integers(1, 8)), draw(st.sampled_from(GROUP_SIZES))
+    valid = {"num_layers": draw(st.integers(1, 128)), "num_q_heads": kv_heads * group,
+             "num_kv_heads": kv_heads, **cache_configuration(draw),
+             "max_batch": draw(st.integers(1, 512)),
+             "max_seq_len": draw(st.integers(1, 2**31 - 1)), "dtype": draw(dtype_forms(DTYPES)),
+             "fused": draw(st.booleans()), "early_reads": draw(st.booleans()), "device": DEVICE}
+    step = DecodeStep.create(**valid)  # the starting point is valid
+    assert (step.append is None) == valid["fused"]
+    field = draw(st.sampled_from(["num_layers", "heads", "fused", "early_reads"]
+                                 + RUNNER_FIELDS))
+    if field == "heads":
+        kind, changes, names = draw(heads(16, GROUP_SIZES))
+        return Broken(field, kind, valid | changes, names)
+    if field == "num_layers":
+        value = draw(wrong_int(-2**40, 0) | st.integers(2**31, 2**62))
+    elif field in ("fused", "early_reads"):
+        value = draw(st.sampled_from([0, 1, "yes", None, "True", [True]]))
+    else:
+        value = runner_field(draw, valid, field)
+    return Broken(field, "value", valid | {field: value}, (field,))
+
+
+def test_decode_step_constructor_rejects_bad_configurations():
+    def check(case: Broken) -> None:
+        assert_rejected(lambda: DecodeStep.create(**case.arguments), case.names, case)
+    assert fuzz(step_constructor_cases(), check) >= EXAMPLES

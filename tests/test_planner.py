@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowlevel_fd.decode import DecodeVariant, shipped_variants
-from lowlevel_fd.decode.planner import (MAX_CLUSTER, MAX_GLOBAL_SPLITS, MAX_PORTABLE_SPLITS,
-                                        MAX_SPLITS, SPLIT_TOKENS, TileConfig, Workload, choose,
-                                        default_min_split_tokens, workspace_pairs_bound)
-from lowlevel_fd.decode.variants import GROUP_SIZES, HEAD_DIMS, Q_DTYPES
+from lowlevel_fd.core.support import DTYPES, GROUP_SIZES, HEAD_DIMS, WARP_COUNTS
+from lowlevel_fd.decode import CombineVariant, DecodeVariant, shipped_variants
+from lowlevel_fd.decode.planner import (DEFAULT_WARPS, MAX_CLUSTER, MAX_GLOBAL_SPLITS,
+                                        MAX_PORTABLE_SPLITS, MAX_SPLITS, SPLIT_TOKENS, TileConfig,
+                                        Workload, choose, default_min_split_tokens,
+                                        workspace_pairs_bound)
+from lowlevel_fd.decode.variants import LENGTHS as LENGTHS_PROGRAM
 
 H100_SMS, A100_SMS = 132, 108
 LENGTHS = (1, 15, 16, 127, 128, 129, 500, 1024, 2047, 4096, 8191, 32768, 131072)
@@ -155,23 +158,40 @@ def test_variant_names_are_the_template_instantiations():
     # <head_dim, group, warps, scale mode id, q type, scale type, then pipeline options>
     variant = DecodeVariant(128, 4, "float16", "token", "float32", num_warps=4)
     assert variant.split_kernel.startswith("llfd::decode_split<128, 4, 4, 2, llfd::f16, ")
-    assert variant.combine_kernel == "llfd::decode_combine<128, 4, llfd::f16>"
+    assert variant.kernel_names == (variant.split_kernel,), "the split kernel alone"
+    # The merge is a program of its own, one per (head_dim, group, dtype).
+    assert CombineVariant(128, 4, "float16").kernel_names == (
+        "llfd::decode_combine<128, 4, llfd::f16>",)
     bf16 = DecodeVariant(64, 8, "bfloat16", "token", "float16", num_warps=8)
     assert bf16.split_kernel.startswith("llfd::decode_split<64, 8, 8, 2, llfd::bf16, ")
-    assert bf16.combine_kernel == "llfd::decode_combine<64, 8, llfd::bf16>"
+    assert bf16.kernel_names == (bf16.split_kernel,)
+    assert CombineVariant(64, 8, "bfloat16").kernel_names == (
+        "llfd::decode_combine<64, 8, llfd::bf16>",)
     fp32_scales = DecodeVariant(64, 8, "bfloat16", "token", "float32", num_warps=8)
     assert bf16.split_kernel != fp32_scales.split_kernel
+    # So is the length bump of the fused step: one kernel for every variant.
+    assert LENGTHS_PROGRAM.kernel_names == ("llfd::advance_lengths",)
+
+
+def test_variant_defaults_to_the_planners_warps():
+    assert DEFAULT_WARPS == 8 and TileConfig().num_warps == DEFAULT_WARPS
+    variant = DecodeVariant(128, 4)
+    assert variant.num_warps == DEFAULT_WARPS and variant.threads == 32 * DEFAULT_WARPS
+    assert variant.split_kernel.startswith("llfd::decode_split<128, 4, 8, 2, llfd::f16, float, ")
+    assert (variant.dtype, variant.scale_mode, variant.scale_dtype) == ("float16", "token",
+                                                                       "float32")
 
 
 @pytest.mark.parametrize("mode, mode_id", [("tensor", 0), ("head", 1)])
 def test_static_scales_are_always_float32(mode, mode_id):
-    variant = DecodeVariant(256, 2, "float16", mode, "float16")
-    assert variant.split_kernel.startswith(f"llfd::decode_split<256, 2, 4, {mode_id}, llfd::f16, ")
+    variant = DecodeVariant(256, 2, "float16", mode, "float16")  # 8 warps: the default
+    assert variant.split_kernel.startswith(f"llfd::decode_split<256, 2, 8, {mode_id}, llfd::f16, "
+                                           f"float, ")
     assert variant.split_kernel == DecodeVariant(256, 2, "float16", mode, "float32").split_kernel
 
 
 SM80_SHARED_OPTIN, SM90_SHARED_OPTIN = 163 * 1024, 227 * 1024
-ALL_WARP_VARIANTS = list(shipped_variants((2, 4, 8)))
+ALL_WARP_VARIANTS = [v for v in shipped_variants(WARP_COUNTS) if isinstance(v, DecodeVariant)]
 
 
 @pytest.mark.parametrize("variant", ALL_WARP_VARIANTS, ids=lambda v: v.split_kernel)
@@ -181,32 +201,44 @@ def test_variant_launch_shape_fits_the_gpus(variant):
     partials = variant.num_warps * variant.group_size * variant.head_dim * 4
     assert variant.dynamic_shared_bytes >= partials
     assert variant.dynamic_shared_bytes <= SM90_SHARED_OPTIN
-    if variant.num_warps == 4:  # the default the plan picks must also run on sm_80
+    if variant.num_warps == DEFAULT_WARPS:  # the default the plan picks must also run on sm_80
         assert variant.dynamic_shared_bytes <= SM80_SHARED_OPTIN
 
 
 @pytest.mark.parametrize("num_warps", [(8,), (2, 4, 8)])
 def test_shipped_variants_cover_the_support_matrix_once(num_warps):
-    variants = list(shipped_variants(num_warps))
-    assert len(set(variants)) == len(variants)
-    assert len({v.split_kernel for v in variants}) == len(variants)
+    programs = list(shipped_variants(num_warps))
+    assert len(set(programs)) == len(programs)
+    # Every kernel is in exactly one program: compiling them all builds each kernel once.
+    kernels = [name for program in programs for name in program.kernel_names]
+    assert len(set(kernels)) == len(kernels)
+    variants = [v for v in programs if isinstance(v, DecodeVariant)]
+    assert all(v.kernel_names == (v.split_kernel,) for v in variants)
+    # The merges, one per (head_dim, group, dtype), and the length bump, once.
+    combines = [v for v in programs if isinstance(v, CombineVariant)]
+    assert sorted((c.head_dim, c.group_size, c.dtype) for c in combines) == sorted(
+        itertools.product(HEAD_DIMS, GROUP_SIZES, DTYPES))
+    assert [v for v in programs if v is LENGTHS_PROGRAM] == [LENGTHS_PROGRAM]
+    assert len(programs) == len(variants) + len(combines) + 1
     assert all(v.scale_dtype == "float32" for v in variants if v.scale_mode != "token")
     # Per head_dim, group, q dtype and warp count: tensor, head, token fp32, token fp16 scales,
     # each with a cluster and a global merge.
-    single = {(v.head_dim, v.group_size, v.q_dtype, v.scale_mode, v.scale_dtype, v.num_warps,
+    single = {(v.head_dim, v.group_size, v.dtype, v.scale_mode, v.scale_dtype, v.num_warps,
                v.cluster) for v in variants if v.tiles == 1}
     modes = (("tensor", "float32"), ("head", "float32"), ("token", "float32"),
              ("token", "float16"))
     expected = {(d, g, q, mode, sd, w, cluster)
-                for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, Q_DTYPES, num_warps)
+                for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, DTYPES, num_warps)
                 for mode, sd in modes for cluster in (False, True)}
     assert single == expected
     # Planner rule 7's two-tile variants: head_dim 128, groups up to 8, cluster merge.
-    double = {(v.head_dim, v.group_size, v.q_dtype, v.scale_mode, v.scale_dtype, v.num_warps,
+    double = {(v.head_dim, v.group_size, v.dtype, v.scale_mode, v.scale_dtype, v.num_warps,
                v.cluster) for v in variants if v.tiles == 2}
     assert double == {(128, g, q, mode, sd, w, True) for (_, g, q, mode, sd, w, _) in expected
                       if g <= 8}
     assert {v.tiles for v in variants} == {1, 2}
+    # Each split variant also with the fused append of append_and_run.
+    assert {replace(v, append=not v.append) for v in variants} == set(variants)
     assert DecodeVariant(128, 4, "float16", "token", "float32", 8) in variants
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from decode_case import Case
 
+from lowlevel_fd import ERROR_OUTSIDE_CACHE, ERROR_PROMPT_LENGTH
 from lowlevel_fd.append import AppendPlan, PromptQuantizer
 from lowlevel_fd.append.reference import append_ref, prompt_ref
 from lowlevel_fd.decode import DecodePlan, TileConfig
@@ -63,7 +64,7 @@ class Workload:
 
 
 def decode_plan_cycle(work: Workload, stream: Stream, i: int) -> None:
-    plan = DecodePlan(32, 8, 128, max_batch=4, max_seq_len=work.case.capacity)
+    plan = DecodePlan.create(32, 8, 128, max_batch=4, max_seq_len=work.case.capacity)
     plan.plan(work.lengths)
     if i % 2:
         plan.close()  # the other half is dropped: the finalizer frees the workspace
@@ -71,10 +72,10 @@ def decode_plan_cycle(work: Workload, stream: Stream, i: int) -> None:
 
 def append_plan_cycle(work: Workload, stream: Stream, i: int) -> None:
     if i % 2:
-        plan = AppendPlan(32, 8, 128, max_batch=4)
+        plan = AppendPlan.create(32, 8, 128, max_batch=4)
         plan.run(work.k_new, work.v_new, *work.cache_args(), work.append_lens, stream=stream)
     else:
-        plan = PromptQuantizer(8, 128, max_batch=4)
+        plan = PromptQuantizer.create(8, 128, max_batch=4)
         plan.run(work.prompt, work.prompt, *work.cache_args(), work.append_lens, stream=stream)
     stream.synchronize()
     if i % 4 < 2:
@@ -160,7 +161,7 @@ device = Device(0)
 stream = Stream(device)
 B, HQ, HKV, D, S = 2, 8, 2, 128, 64
 rng = np.random.default_rng(0)
-plan = DecodePlan(HQ, HKV, D, max_batch=B, max_seq_len=S).plan([S, 5])
+plan = DecodePlan.create(HQ, HKV, D, max_batch=B, max_seq_len=S).plan([S, 5])
 cache = lambda: DeviceArray.from_numpy(rng.integers(-127, 128, (B, HKV, S, D), dtype=np.int8))
 scale = lambda: DeviceArray.from_numpy(np.full((B, HKV, S), 0.01, np.float32))
 args = (DeviceArray.from_numpy(rng.standard_normal((B, HQ, D)).astype(np.float16)), cache(),
@@ -189,12 +190,12 @@ def attempt(call):
 
 calls = {
     "DecodePlan.run": lambda: (plan.run(*args, stream=stream), stream.synchronize()),
-    "DecodePlan.plan (new plan)": lambda: DecodePlan(HQ, HKV, D, max_batch=B,
-                                                     max_seq_len=S).plan([3, 4]),
+    "DecodePlan.plan (new plan)": lambda: DecodePlan.create(HQ, HKV, D, max_batch=B,
+                                                            max_seq_len=S).plan([3, 4]),
     "DeviceArray.copy_from_numpy": lambda: args[0].copy_from_numpy(
         np.zeros((B, HQ, D), np.float16)),
     "DeviceArray.numpy": lambda: args[6].numpy(),
-    "DecodePlan.error_flags": lambda: plan.error_flags(),
+    "DecodePlan.error_flags": lambda: plan.error_flags(stream=stream),
 }
 print(json.dumps({"observed": getattr(observed, "name", str(observed)),
                   "calls": {name: attempt(call) for name, call in calls.items()}}))
@@ -267,12 +268,13 @@ def test_decode_clamps_device_lengths_to_the_capacity_and_flags_them(rng, stream
     d["seq_lens"].copy_from_numpy(np.array(device_lengths, np.int32))
     with case.make_plan() as plan:
         out, lse = case.run(plan, stream, config=config)
-        assert plan.error_flags() & 1, "a length beyond the capacity sets bit 0"
-        assert plan.error_flags() == 0, "reading the flags clears them"
+        assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, (
+            "a length beyond the capacity sets ERROR_OUTSIDE_CACHE")
+        assert plan.error_flags(stream=stream) == 0, "reading the flags clears them"
         case.check(out, lse)  # as if the lengths were clamped: no NaN read from the tail
         d["seq_lens"].copy_from_numpy(np.array(clamped, np.int32))
         case.check(*case.run(plan, stream, config=config, replan=False))
-        assert plan.error_flags() == 0, "lengths within the capacity set no flag"
+        assert plan.error_flags(stream=stream) == 0, "lengths within the capacity set no flag"
 
 
 def test_decode_guard_holds_under_graph_replay(rng, stream):
@@ -294,7 +296,8 @@ def test_decode_guard_holds_under_graph_replay(rng, stream):
             graph.launch(stream)
             stream.synchronize()
             case.check(d["out"].numpy().astype(np.float64), d["lse"].numpy().astype(np.float64))
-            assert bool(plan.error_flags() & 1) == (device_lengths != clamped)
+            flagged = bool(plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE)
+            assert flagged == (device_lengths != clamped)
         graph.close()
 
 
@@ -341,12 +344,12 @@ def test_append_never_writes_at_or_past_the_capacity(rng, stream, kv_layout, sca
     device = {name: DeviceArray.from_numpy(value) for name, value in host.items()}
     d_lens = DeviceArray.from_numpy(positions)
     v = views(device, kv_layout, scale_mode, capacity)
-    with AppendPlan(2 * heads, heads, head_dim, max_batch=batch, kv_layout=kv_layout,
-                    scale_mode=scale_mode, scale_dtype=scale_dtype) as plan:
+    with AppendPlan.create(2 * heads, heads, head_dim, max_batch=batch, kv_layout=kv_layout,
+                           scale_mode=scale_mode, scale_dtype=scale_dtype) as plan:
         plan.run(DeviceArray.from_numpy(k_new), DeviceArray.from_numpy(v_new), v["k_cache"],
                  v["v_cache"], v["k_scale"], v["v_scale"], d_lens, advance=True,
                  stream=stream)
-        assert plan.error_flags(stream=stream) & 1
+        assert plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
     expected_lens = positions.copy()
     h = views(host, kv_layout, scale_mode, capacity)  # numpy views: writes land in the pools
     append_ref(h["k_cache"], h["v_cache"], h["k_scale"], h["v_scale"], expected_lens, k_new,
@@ -368,12 +371,14 @@ def test_prompt_quantizer_never_writes_past_the_capacity(rng, stream, kv_layout)
     device = {name: DeviceArray.from_numpy(value) for name, value in host.items()}
     written = DeviceArray.full(batch, -7, np.int32)
     dv = views(device, kv_layout, "token", capacity)
-    with PromptQuantizer(heads, head_dim, max_batch=batch, kv_layout=kv_layout) as quantizer:
+    with PromptQuantizer.create(heads, head_dim, max_batch=batch,
+                                kv_layout=kv_layout) as quantizer:
         quantizer.run(DeviceArray.from_numpy(k), DeviceArray.from_numpy(v), dv["k_cache"],
                       dv["v_cache"], dv["k_scale"], dv["v_scale"],
                       DeviceArray.from_numpy(lengths), seq_lens_out=written, stream=stream)
-        # bit 0: lengths cut to the capacity; bit 1: lengths outside [0, S] clamped
-        assert quantizer.error_flags(stream=stream) == 3
+        # ERROR_OUTSIDE_CACHE: lengths cut to the capacity; ERROR_PROMPT_LENGTH: lengths
+        # outside [0, S] clamped
+        assert quantizer.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE | ERROR_PROMPT_LENGTH
     h = views(host, kv_layout, "token", capacity)
     expected = prompt_ref(h["k_cache"], h["v_cache"], h["k_scale"], h["v_scale"], lengths, k,
                           v, kv_layout=kv_layout, scale_mode="token")
@@ -391,13 +396,13 @@ def bits(array: DeviceArray) -> bytes:
     None, TileConfig(4, 7, 16, True), TileConfig(4, 7, 16, False), TileConfig(8, 3, 64, True),
     TileConfig(2, 1),
 ], ids=["planned", "7 splits fused", "7 splits combine", "8 warps 3 splits", "no split"])
-@pytest.mark.parametrize("q_dtype,scale_mode,scale_dtype", [
+@pytest.mark.parametrize("dtype,scale_mode,scale_dtype", [
     ("float16", "token", "float32"), ("bfloat16", "token", "float16"), ("float16", "head",
                                                                          "float32")])
 def test_decode_is_bitwise_deterministic_across_runs_streams_and_graph_replay(
-        rng, stream, config, q_dtype, scale_mode, scale_dtype):
+        rng, stream, config, dtype, scale_mode, scale_dtype):
     case = Case.random(rng, [4097, 1, 0, 1500, 63], num_q_heads=16, num_kv_heads=4,
-                       q_dtype=q_dtype, scale_mode=scale_mode, scale_dtype=scale_dtype)
+                       dtype=dtype, scale_mode=scale_mode, scale_dtype=scale_dtype)
     d = case.upload()
     with case.make_plan() as plan:
         out, lse = case.run(plan, stream, config=config)

@@ -5,38 +5,43 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stand_ins import DEVICE, fake
 
+from lowlevel_fd import KVCacheSpec
+from lowlevel_fd.append.runner import PreparedAppend
+from lowlevel_fd.decode import PreparedCall
 from lowlevel_fd.driver import DeviceArray
 from lowlevel_fd.step import DecodeStep, LayerBuffers
 
-
-class StandInDevice:
-    """Enough of a Device for plans that never reach the GPU."""
-    ordinal, arch, compute_capability, sm_count = 0, "sm_90", (9, 0), 132
-
-
-DEV = StandInDevice()
 LAYERS, B, HQ, HKV, D, CAPACITY = 3, 2, 8, 2, 128, 64
 HOST_LENGTHS = np.array([10, 40])
-_next = [1 << 24]
-
-
-def fake(shape, dtype, *, strides=None, device=DEV) -> DeviceArray:
-    _next[0] += 1 << 20  # distinct, 16-byte aligned addresses
-    return DeviceArray(_next[0], shape, dtype, device, strides, owner=object())
 
 
 def make_step(**overrides) -> DecodeStep:
-    options = dict(max_batch=4, max_seq_len=CAPACITY, device=DEV) | overrides
-    return DecodeStep(options.pop("num_layers", LAYERS), options.pop("num_q_heads", HQ),
-                      options.pop("num_kv_heads", HKV), options.pop("head_dim", D), **options)
+    options = dict(max_batch=4, max_seq_len=CAPACITY, device=DEVICE) | overrides
+    return DecodeStep.create(options.pop("num_layers", LAYERS), options.pop("num_q_heads", HQ),
+                             options.pop("num_kv_heads", HKV), options.pop("head_dim", D),
+                             **options)
+
+
+class NotLaunched:
+    """A loaded kernel's launch that a test must never reach."""
+
+    def launch(self, stream):
+        pytest.fail("a kernel was launched")
 
 
 def planned(**overrides) -> DecodeStep:
     """A step in the state plan(HOST_LENGTHS) leaves, minus the GPU work."""
     step = make_step(**overrides)
     step._host_lengths = HOST_LENGTHS.copy()
-    step.attention._batch, step.attention._planned_max = B, int(HOST_LENGTHS.max()) + 1
+    attention = step.attention
+    attention._binder.planned(B, int(HOST_LENGTHS.max()) + 1)  # L + 1 tokens attended
+    attention._split = NotLaunched()
+    attention._split_append = NotLaunched() if step.fused else None
+    if not step.fused:
+        step.append._kernel = NotLaunched()  # loaded: prepare_run() skips load()
+        step._arrays["positions"] = fake((4,), "int32")
     return step
 
 
@@ -59,52 +64,87 @@ SEQ_LENS = fake((B,), "int32")
 
 
 # -- the constructor and plan() ----------------------------------------------------------------
-@pytest.mark.parametrize("overrides, message", [
-    ({"num_layers": 0}, r"num_layers: expected a positive int, got 0"),
-    ({"num_layers": 2.0}, r"num_layers: expected a positive int, got 2.0"),
-    ({"num_q_heads": 5}, r"num_q_heads: expected a positive multiple of num_kv_heads=2, got 5"),
-    ({"num_q_heads": 6}, r"group size \(num_q_heads // num_kv_heads\): .*got 3"),
-    ({"head_dim": 96}, r"head_dim: expected one of \[64, 128, 256\], got 96"),
-    ({"rope": "alibi"}, r"rope: expected one of \[None, 'neox', 'gptj'\], got 'alibi'"),
-    ({"scale_mode": "head", "scale_dtype": "float16"},
+@pytest.mark.parametrize("overrides, error, message", [
+    ({"num_layers": 0}, ValueError,
+     r"^num_layers: expected an int in \[1, 2147483648\), got 0$"),
+    ({"num_layers": 2.0}, TypeError, r"^num_layers: expected an int, got float 2.0$"),
+    ({"num_layers": True}, TypeError, r"^num_layers: expected an int, got bool True$"),
+    ({"num_q_heads": 5}, ValueError,
+     r"^num_q_heads: expected a multiple of num_kv_heads=2, got 5$"),
+    ({"num_q_heads": 6}, ValueError, r"group size \(num_q_heads // num_kv_heads\): .*got 3"),
+    ({"head_dim": 96}, ValueError, r"head_dim: expected one of \[64, 128, 256\], got 96"),
+    ({"rope": "alibi"}, ValueError,
+     r"rope: expected one of \[None, 'neox', 'gptj'\], got 'alibi'"),
+    ({"scale_mode": "head", "scale_dtype": "float16"}, ValueError,
      r"scale_dtype: expected one of \['float32'\], got 'float16'"),
-    ({"max_seq_len": 0}, r"max_batch/max_seq_len: expected >= 1"),
+    ({"max_seq_len": 0}, ValueError,
+     r"^max_seq_len: expected an int in \[1, 2147483648\), got 0$"),
+    ({"max_batch": 0}, ValueError, r"^max_batch: expected an int in \[1, 2147483648\), got 0$"),
+    ({"dtype": "float32"}, ValueError, r"^dtype: expected one of \['float16', 'bfloat16'\]"),
 ])
-def test_constructor_rejects_unsupported_configurations(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        make_step(**overrides)
+@pytest.mark.parametrize("fused", [True, False])
+def test_constructor_rejects_unsupported_configurations(overrides, error, message, fused):
+    with pytest.raises(error, match=message):
+        make_step(fused=fused, **overrides)
 
 
 def test_one_plan_of_each_kind_is_shared_by_the_layers():
-    step = make_step(rope="neox", scale_mode="token", scale_dtype="float16", dtype="bfloat16")
-    assert step.append.rope == "neox" and step.append.scale_dtype == "float16"
-    assert step.attention.q_dtype == step.append.dtype == "bfloat16"
-    assert step.attention.max_seq_len == CAPACITY and step.device is DEV
+    step = make_step(rope="neox", scale_mode="token", scale_dtype="float16", dtype="bfloat16",
+                     fused=False)
+    assert step.cache is step.append.cache is step.attention.cache
+    assert step.cache == KVCacheSpec(HKV, D, rope="neox", scale_dtype="float16")
+    assert step.attention.dtype == step.append.dtype == step.dtype == "bfloat16"
+    assert step.attention.max_seq_len == CAPACITY and step.device is DEVICE
+    assert step.attention.device is step.append.device is DEVICE
 
 
+def test_a_fused_step_builds_no_append_plan():
+    step = make_step(rope="gptj")  # fused by default
+    assert step.fused and step.append is None
+    assert step.attention.cache.rope == "gptj"  # the attention plan rotates and appends
+
+
+def test_error_flags_are_one_int_read_on_a_stream():
+    for fused in (True, False):
+        step = make_step(fused=fused)
+        with pytest.raises(TypeError, match=r"stream"):
+            step.error_flags()
+        flags = step.error_flags(stream=None)  # 0 before the first plan: nothing to read
+        assert flags == 0 and type(flags) is int
+
+
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("lengths, error, message", [
-    ([10, CAPACITY], ValueError, r"host_lengths: sequence 1 has length 64, leaving no room "
-                                 r"for the step's new token \(max_seq_len=64\)"),
-    ([1, 2, 3, 4, 5], ValueError, r"host_lengths: expected at most max_batch=4 sequences"),
-    ([-1], ValueError, r"host_lengths: expected lengths in \[0, max_seq_len=64\]"),
-    (np.array([1.5]), TypeError, r"host_lengths: expected integer lengths"),
+    ([10, CAPACITY], ValueError, r"^seq_lens: sequence 1 has length 64, leaving no room "
+                                 r"for the new token \(max_seq_len=64\)$"),
+    ([1, 2, 3, 4, 5], ValueError, r"^seq_lens: expected at most max_batch=4 sequences"),
+    ([-1], ValueError, r"^seq_lens: expected lengths in \[0, max_seq_len=64\]"),
+    (np.array([1.5]), TypeError, r"^seq_lens: expected integer lengths"),
 ])
-def test_plan_checks_the_host_lengths_before_any_gpu_work(lengths, error, message):
+def test_plan_checks_the_host_lengths_before_any_gpu_work(lengths, error, message, fused):
     with pytest.raises(error, match=message):
-        make_step().plan(lengths)
+        make_step(fused=fused).plan(lengths)
 
 
 # -- capture()/eager(): the buffers ------------------------------------------------------------
-def test_good_buffers_pass_as_mappings_or_layer_buffers():
+@pytest.mark.parametrize("fused", [True, False])
+def test_good_buffers_pass_as_mappings_or_layer_buffers(fused):
     given = layers()
     given[1] = LayerBuffers(**given[1])
-    bound, lengths = planned().validate(given, SEQ_LENS)
-    assert all(isinstance(b, LayerBuffers) for b in bound) and len(bound) == LAYERS
-    assert bound[0].q is given[0]["q"] and lengths.ptr == SEQ_LENS.ptr
+    step = planned(fused=fused)
+    assert step.validate(given, SEQ_LENS) is None
+    calls, lengths, capacity = step._prepared(given, SEQ_LENS)
+    assert len(calls) == LAYERS and lengths.ptr == SEQ_LENS.ptr and capacity == CAPACITY
+    outs = [given[0]["out"], given[1].out, given[2]["out"]]
+    for layer_calls, out in zip(calls, outs):
+        kinds = [type(call) for call in layer_calls]
+        assert kinds == ([PreparedCall] if fused else [PreparedAppend, PreparedCall])
+        assert layer_calls[-1]._params.out == out.ptr  # the attention binds that layer's out
+        assert layer_calls[-1]._params.seq_lens == SEQ_LENS.ptr
 
 
 def test_validation_needs_a_plan():
-    with pytest.raises(RuntimeError, match=r"call plan\(host_lengths\) first"):
+    with pytest.raises(RuntimeError, match=r"DecodeStep: call plan\(seq_lens\) first"):
         make_step().validate(layers(), SEQ_LENS)
 
 
@@ -126,8 +166,8 @@ BAD = {
     "lse shape": ({"lse": fake((B, HKV), "float32")}, ValueError,
                   r"layers\[2\]\.lse: expected shape \[B, Hq\]=\(2, 8\)"),
     "cos_sin without rope": ({"cos_sin": fake((CAPACITY, D // 2, 2), "float32")}, ValueError,
-                             r"layers\[2\]\.cos_sin: the plan applies no RoPE"),
-    "closed": ({"out": DeviceArray(1 << 20, (B, HQ, D), "float16", DEV, owner=None)},
+                             r"layers\[2\]\.cos_sin: the cache spec applies no RoPE"),
+    "closed": ({"out": fake((B, HQ, D), "float16", owner=None)},
                ValueError, r"layers\[2\]\.out: the array is closed"),
     "host array": ({"q": np.zeros((B, HQ, D), np.float16)}, TypeError,
                    r"layers\[2\]\.q: expected a DeviceArray or an object with "
@@ -136,22 +176,28 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("replace, error, message", BAD.values(), ids=BAD.keys())
-def test_a_bad_buffer_names_its_layer(replace, error, message):
+def test_a_bad_buffer_names_its_layer(replace, error, message, fused):
     with pytest.raises(error, match=message):
-        planned().validate(layers(**replace), SEQ_LENS)
+        planned(fused=fused).validate(layers(**replace), SEQ_LENS)
 
 
-def test_a_cache_too_short_for_the_new_token_is_refused_before_launch():
-    short = layer(capacity=40)  # sequence 1 holds 40 tokens: the new one would be the 41st
-    with pytest.raises(ValueError, match=r"layers\[0\]\.host_lengths: sequence 1 has length "
-                                         r"40, outside \[0, 39\] \(the new token must land "
-                                         r"below the cache capacity S_max=40\)"):
-        planned().validate([short, layer(), layer()], SEQ_LENS)
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_cache_too_short_for_the_new_token_is_refused_before_launch(fused):
+    # Sequence 1 holds 40 tokens: the new one would be the 41st; the plan attends 41.
+    short = layer(capacity=40)
+    with pytest.raises(ValueError, match=r"^layers\[0\]\.seq_lens: sequence 1 has length 40, "
+                                         r"outside \[0, 39\] \(the new token must land below "
+                                         r"the cache capacity S_max=40\); nothing was launched$"):
+        planned(fused=fused).validate([short, layer(), layer()], SEQ_LENS)
+    # Room for exactly the new token: accepted.
+    planned(fused=fused).validate([layer(capacity=41) for _ in range(LAYERS)], SEQ_LENS)
 
 
-def test_static_scales_follow_the_scale_mode():
-    step = planned(scale_mode="head")
+@pytest.mark.parametrize("fused", [True, False])
+def test_static_scales_follow_the_scale_mode(fused):
+    step = planned(scale_mode="head", fused=fused)
     step.validate([layer("head") for _ in range(LAYERS)], SEQ_LENS)
     with pytest.raises(ValueError, match=r"layers\[0\]\.k_scale: expected shape \[Hkv\]=\(2,\) "
                                          r"for scale_mode='head', got \(1,\)"):
@@ -235,26 +281,30 @@ def test_a_closed_step_refuses_work():
 
 # -- the launch sequence, simulated on the host ------------------------------------------------
 class Device32:
-    """Host stand-ins for the int32 length arrays the launches read and write, keyed by address;
-    the append writes at ``lengths[b]`` (skipping a full cache) and bumps it when advancing."""
+    """Host stand-ins for the int32 length arrays the launches read and write, keyed by address.
+    The launches are the step's prepared calls: each one's parameter block says which lengths
+    it reads; the append writes at ``lengths[b]`` (skipping a full cache) and bumps it when
+    its block says advance."""
 
     def __init__(self, step, seq_lens, values, capacity):
+        self.step, self.capacity, self.log = step, capacity, []
         self.memory = {seq_lens.ptr: np.array(values), step._arrays["positions"].ptr: None}
-        self.capacity, self.log = capacity, []
 
     def copy(self, dst, src, stream=None):
         self.memory[dst.ptr] = self.memory[src.ptr].copy()
         self.log.append("copy")
 
-    def append(self, *args, advance, **kwargs):
-        lengths = self.memory[args[6].ptr]
+    def append(self, grid, stream):  # AppendPlan._launch, on the block the call copied in
+        p = self.step.append._params
+        lengths = self.memory[p.seq_lens]
         fits = lengths < self.capacity
         self.log.append(("append", tuple(np.where(fits, lengths, -1))))
-        if advance:
+        if p.advance:
             lengths[fits] += 1
 
-    def attention(self, *args, **kwargs):
-        self.log.append(("attention", tuple(self.memory[args[5].ptr])))
+    def attention(self, append, stream):  # DecodePlan._launch
+        assert not append
+        self.log.append(("attention", tuple(self.memory[self.step.attention._params.seq_lens])))
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
@@ -263,14 +313,15 @@ class Device32:
 def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
         monkeypatch, num_layers, start, capacity):
     step = planned(num_layers=num_layers, fused=False)
-    step._arrays["positions"] = fake((4,), "int32")
-    sim = Device32(step, SEQ_LENS, start, capacity)
+    calls, lengths, planned_capacity = step._prepared(
+        [layer(capacity=capacity) for _ in range(num_layers)], SEQ_LENS)
+    assert planned_capacity == capacity
+    sim = Device32(step, SEQ_LENS, start, capacity)  # the device lengths the step meets
     monkeypatch.setattr(DeviceArray, "copy_from", lambda dst, src, stream=None:
                         sim.copy(dst, src, stream))
-    monkeypatch.setattr(step.append, "run", sim.append)
-    monkeypatch.setattr(step.attention, "run", sim.attention)
-    step._issue([LayerBuffers(**layer()) for _ in range(num_layers)], SEQ_LENS, capacity,
-                stream=None)
+    monkeypatch.setattr(step.append, "_launch", sim.append)
+    monkeypatch.setattr(step.attention, "_launch", sim.attention)
+    step._issue(calls, lengths, capacity, stream=None)
 
     L = np.array(start)
     written = tuple(np.where(L < capacity, L, -1))  # -1: full, nothing written
@@ -284,15 +335,17 @@ def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_fused_layers_all_read_the_step_positions_then_one_advance(monkeypatch, num_layers):
     step = planned(num_layers=num_layers)
+    assert step.append is None  # nothing but the attention plan's fused launches
     log = []
-    monkeypatch.setattr(step.attention, "append_and_run", lambda q, k_new, v_new, kc, vc, ks, vs,
-                        positions, out, **kw: log.append(("layer", positions.ptr, out.ptr)))
+    p = step.attention._params
+    monkeypatch.setattr(step.attention, "_launch", lambda append, stream: log.append(
+        ("layer", append, p.append, p.seq_lens, p.out)))
     monkeypatch.setattr(step.attention, "advance_lengths", lambda lengths, capacity, **kw:
                         log.append(("advance", lengths.ptr, capacity)))
-    monkeypatch.setattr(step.append, "run", lambda *a, **k: pytest.fail("unfused append ran"))
     buffers = [LayerBuffers(**layer()) for _ in range(num_layers)]
-    step._issue(buffers, SEQ_LENS, CAPACITY, stream=None)
-    assert log == [("layer", SEQ_LENS.ptr, b.out.ptr) for b in buffers] + [
+    calls, lengths, capacity = step._prepared(buffers, SEQ_LENS)
+    step._issue(calls, lengths, capacity, stream=None)
+    assert log == [("layer", True, 1, SEQ_LENS.ptr, b.out.ptr) for b in buffers] + [
         ("advance", SEQ_LENS.ptr, CAPACITY)]
 
 
@@ -303,8 +356,9 @@ def test_only_layers_after_the_first_read_early(monkeypatch, early_reads):
     # the lengths nor layer i's cache.
     step = planned(num_layers=3, early_reads=early_reads)
     flags = []
-    monkeypatch.setattr(step.attention, "append_and_run",
-                        lambda *a, early_reads, **kw: flags.append(early_reads))
+    monkeypatch.setattr(step.attention, "_launch", lambda append, stream: flags.append(
+        bool(step.attention._params.early_reads)))
     monkeypatch.setattr(step.attention, "advance_lengths", lambda *a, **kw: None)
-    step._issue([LayerBuffers(**layer()) for _ in range(3)], SEQ_LENS, CAPACITY, stream=None)
+    calls, lengths, capacity = step._prepared([layer() for _ in range(3)], SEQ_LENS)
+    step._issue(calls, lengths, capacity, stream=None)
     assert flags == [False, early_reads, early_reads]

@@ -3,19 +3,14 @@ bitwise equal to each other and within tolerance of the float64 oracle run on a 
 of every layer's cache; the lengths advance once per step; errors raise before capture."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from lowlevel_fd import ERROR_OUTSIDE_CACHE
 from lowlevel_fd.append.reference import append_ref
 from lowlevel_fd.driver import DeviceArray, dtypes, is_capturing
 from lowlevel_fd.reference import decode_attention_ref, rope_table
 from lowlevel_fd.step import DecodeStep, LayerBuffers
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from decode_loop import node_kinds  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -64,10 +59,10 @@ class Model:
         self.buffers = [LayerBuffers(cos_sin=cos_sin, **{k: v for k, v in d.items()
                                                          if k in LayerBuffers.__annotations__})
                         for d in self.device]
-        self.step = DecodeStep(layers, HQ, HKV, D, max_batch=batch, max_seq_len=capacity,
-                               kv_layout=kv_layout, scale_mode=scale_mode,
-                               scale_dtype=scale_dtype, rope=rope,
-                               fused=fused, early_reads=early_reads).plan(self.lengths)
+        self.step = DecodeStep.create(layers, HQ, HKV, D, max_batch=batch, max_seq_len=capacity,
+                                      kv_layout=kv_layout, scale_mode=scale_mode,
+                                      scale_dtype=scale_dtype, rope=rope, fused=fused,
+                                      early_reads=early_reads).plan(self.lengths)
         self.fused = fused
 
     def restore(self, stream):
@@ -115,7 +110,7 @@ def test_graph_replay_equals_eager_bitwise_and_the_oracle(rng, stream, kv_layout
             assert np.array_equal(a[name].view(np.uint8), b[name].view(np.uint8)), (layer, name)
     # The lengths advanced once per step, not once per layer.
     assert eager_lens.tolist() == graph_lens.tolist() == (model.lengths + STEPS).tolist()
-    assert model.step.error_flags(stream=stream) == {"append": 0, "attention": 0}
+    assert model.step.error_flags(stream=stream) == 0
 
     # -- the oracle on a host mirror: append at L in every layer, attend L + 1 tokens --
     mirror = [{name: host[name].copy() for name in CACHES} for host in model.initial]
@@ -180,7 +175,7 @@ def test_the_fused_graph_has_one_kernel_per_layer_and_one_advance(rng, stream):
     described = model.step.describe()
     assert described["launches_per_layer"] == 1  # append_and_run with the fused merge
     with model.step.capture(model.buffers, model.seq_lens, stream) as graph:
-        assert node_kinds(graph) == {"kernel": LAYERS + 1}
+        assert graph.node_kinds() == {"kernel": LAYERS + 1}
         assert graph.node_count == described["nodes_per_step"] == LAYERS + 1
     model.step.close()
 
@@ -191,7 +186,7 @@ def test_the_unfused_graph_has_two_kernels_per_layer_and_one_copy(rng, stream):
     described = model.step.describe()
     assert described["launches_per_layer"] == 2  # append + attention with the fused merge
     with model.step.capture(model.buffers, model.seq_lens, stream) as graph:
-        assert node_kinds(graph) == {"kernel": 2 * LAYERS, "memcpy": 1}
+        assert graph.node_kinds() == {"kernel": 2 * LAYERS, "memcpy": 1}
         assert graph.node_count == described["nodes_per_step"] == 2 * LAYERS + 1
     model.step.close()
 
@@ -220,7 +215,13 @@ def test_a_full_cache_stops_writing_and_advancing_in_every_layer(rng, stream, fu
     model = Model(rng, *CONFIGS[2], lengths=[CAPACITY - 1, 3], layers=2, steps=2, fused=fused)
     _, final, lengths = model.run(model.eager(stream), stream)
     assert lengths.tolist() == [CAPACITY, 5]  # step 2 found sequence 0 full
-    assert model.step.error_flags(stream=stream)["attention" if fused else "append"] & 1
+    assert model.step.error_flags(stream=stream, clear=False) & ERROR_OUTSIDE_CACHE
+    # The bit comes from the kernel that skipped the write: append_and_run's (the attention
+    # plan's word) fused, the append kernel's unfused. A fused step builds no AppendPlan.
+    assert (model.step.append is None) == fused
+    writer = model.step.attention if fused else model.step.append
+    assert writer.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
+    assert model.step.error_flags(stream=stream) == 0  # both words read and cleared
     model.step.close()
 
 
@@ -230,6 +231,9 @@ def test_bad_buffers_raise_before_capture_and_launch_nothing(rng, stream):
     before = model.seq_lens.numpy(stream=stream)
     bad = list(model.buffers)
     bad[2] = LayerBuffers(**{**bad[2].__dict__, "out": DeviceArray.empty((2, HQ, D), np.float32)})
+    assert model.step.validate(model.buffers, model.seq_lens) is None
+    with pytest.raises(TypeError, match=r"layers\[2\]\.out: expected dtype float16, got float32"):
+        model.step.validate(bad, model.seq_lens)
     with pytest.raises(TypeError, match=r"layers\[2\]\.out: expected dtype float16, got float32"):
         model.step.capture(bad, model.seq_lens, stream)
     assert not is_capturing(stream)

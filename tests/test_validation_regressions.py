@@ -4,20 +4,23 @@ argument, before anything is compiled or launched. The fuzz tests (test_fuzz_*.p
 same clauses in general; these keep the original cases readable and fast to rerun."""
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 
-from fuzz_support import (DEVICE, ForeignArray, Pointers, StandInKernel, assert_rejected, fake,
-                          restrided, shifted)
+from fuzz_support import (ForeignArray, Pointers, StandInKernel, assert_rejected, restrided,
+                          shifted)
 from fuzz_support import nothing_launches  # noqa: F401  (autouse: nothing may launch)
+from lowlevel_fd import KVCacheSpec
 from lowlevel_fd.append import AppendPlan, PromptQuantizer, quantize_prompt
 from lowlevel_fd.decode import DecodePlan, TileConfig
 from lowlevel_fd.decode import plan as decode_plan
 from lowlevel_fd.driver import CudaError, LaunchConfig
 from lowlevel_fd.driver._api import raw
+from stand_ins import DEVICE, fake
 
 GB, GHQ, GHKV, GD, GCAP = 2, 8, 2, 128, 64  # one small valid configuration
 
@@ -27,20 +30,20 @@ def decode_call(change: Callable[[dict[str, Any]], dict[str, Any]], *, mode: str
                 capacity: int = GCAP) -> Callable[[], None]:
     """A DecodePlan.run call on valid arguments but for ``change``."""
     def call() -> None:
-        plan = DecodePlan(GHQ, GHKV, GD, max_batch=GB, max_seq_len=GCAP, scale_mode=mode,
-                          device=DEVICE)
-        plan._batch, plan._planned_max = GB, GCAP
+        plan = DecodePlan.create(GHQ, GHKV, GD, max_batch=GB, max_seq_len=GCAP,
+                                 scale_mode=mode, device=DEVICE)
+        plan._binder.planned(GB, GCAP)
         plan._split = StandInKernel().prepare(LaunchConfig(1, 32), plan._params)
         pointer = Pointers()
         scale = {"token": (GB, GHKV, capacity), "head": (GHKV,), "tensor": (1,)}[mode]
-        arguments = {"q": fake(pointer(), (GB, GHQ, GD), "float16"),
-                     "k_cache": fake(pointer(), (GB, GHKV, capacity, GD), "int8"),
-                     "v_cache": fake(pointer(), (GB, GHKV, capacity, GD), "int8"),
-                     "k_scale": fake(pointer(), scale, "float32"),
-                     "v_scale": fake(pointer(), scale, "float32"),
-                     "seq_lens": fake(pointer(), (GB,), "int32"),
-                     "out": fake(pointer(), (GB, GHQ, GD), "float16"),
-                     "lse": fake(pointer(), (GB, GHQ), "float32")}
+        arguments = {"q": fake((GB, GHQ, GD), "float16", ptr=pointer()),
+                     "k_cache": fake((GB, GHKV, capacity, GD), "int8", ptr=pointer()),
+                     "v_cache": fake((GB, GHKV, capacity, GD), "int8", ptr=pointer()),
+                     "k_scale": fake(scale, "float32", ptr=pointer()),
+                     "v_scale": fake(scale, "float32", ptr=pointer()),
+                     "seq_lens": fake((GB,), "int32", ptr=pointer()),
+                     "out": fake((GB, GHQ, GD), "float16", ptr=pointer()),
+                     "lse": fake((GB, GHQ), "float32", ptr=pointer())}
         plan.run(**arguments | change(arguments), stream=0)
     return call
 
@@ -48,23 +51,24 @@ def decode_call(change: Callable[[dict[str, Any]], dict[str, Any]], *, mode: str
 def append_arguments(mode: str = "token", rope: str | None = "neox") -> dict[str, Any]:
     pointer = Pointers()
     scale = {"token": (GB, GHKV, GCAP), "head": (GHKV,), "tensor": (1,)}[mode]
-    arguments = {"k_new": fake(pointer(), (GB, GHKV, GD), "float16"),
-                 "v_new": fake(pointer(), (GB, GHKV, GD), "float16"),
-                 "k_cache": fake(pointer(), (GB, GHKV, GCAP, GD), "int8"),
-                 "v_cache": fake(pointer(), (GB, GHKV, GCAP, GD), "int8"),
-                 "k_scale": fake(pointer(), scale, "float32"),
-                 "v_scale": fake(pointer(), scale, "float32"),
-                 "seq_lens": fake(pointer(), (GB,), "int32")}
+    arguments = {"k_new": fake((GB, GHKV, GD), "float16", ptr=pointer()),
+                 "v_new": fake((GB, GHKV, GD), "float16", ptr=pointer()),
+                 "k_cache": fake((GB, GHKV, GCAP, GD), "int8", ptr=pointer()),
+                 "v_cache": fake((GB, GHKV, GCAP, GD), "int8", ptr=pointer()),
+                 "k_scale": fake(scale, "float32", ptr=pointer()),
+                 "v_scale": fake(scale, "float32", ptr=pointer()),
+                 "seq_lens": fake((GB,), "int32", ptr=pointer())}
     if rope:
-        arguments |= {"q": fake(pointer(), (GB, GHQ, GD), "float16"),
-                      "cos_sin": fake(pointer(), (GCAP, GD // 2, 2), "float32")}
+        arguments |= {"q": fake((GB, GHQ, GD), "float16", ptr=pointer()),
+                      "cos_sin": fake((GCAP, GD // 2, 2), "float32", ptr=pointer())}
     return arguments
 
 
 def append_call(change: Callable[[dict[str, Any]], dict[str, Any]], *, mode: str = "token",
                 rope: str | None = "neox") -> Callable[[], None]:
     def call() -> None:
-        plan = AppendPlan(GHQ, GHKV, GD, max_batch=GB, scale_mode=mode, rope=rope, device=DEVICE)
+        plan = AppendPlan.create(GHQ, GHKV, GD, max_batch=GB, scale_mode=mode, rope=rope,
+                                 device=DEVICE)
         arguments = append_arguments(mode, rope)
         plan.run(**arguments | change(arguments), stream=0)
     return call
@@ -72,39 +76,39 @@ def append_call(change: Callable[[dict[str, Any]], dict[str, Any]], *, mode: str
 
 def prompt_call(change: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[], None]:
     def call() -> None:
-        quantizer = PromptQuantizer(GHKV, GD, max_batch=GB, device=DEVICE)
+        quantizer = PromptQuantizer.create(GHKV, GD, max_batch=GB, device=DEVICE)
         pointer = Pointers()
-        arguments = {"k": fake(pointer(), (GB, 16, GHKV, GD), "float16"),
-                     "v": fake(pointer(), (GB, 16, GHKV, GD), "float16"),
-                     "k_cache": fake(pointer(), (GB, GHKV, GCAP, GD), "int8"),
-                     "v_cache": fake(pointer(), (GB, GHKV, GCAP, GD), "int8"),
-                     "k_scale": fake(pointer(), (GB, GHKV, GCAP), "float32"),
-                     "v_scale": fake(pointer(), (GB, GHKV, GCAP), "float32"),
-                     "prompt_lens": fake(pointer(), (GB,), "int32"),
-                     "seq_lens_out": fake(pointer(), (GB,), "int32")}
+        arguments = {"k": fake((GB, 16, GHKV, GD), "float16", ptr=pointer()),
+                     "v": fake((GB, 16, GHKV, GD), "float16", ptr=pointer()),
+                     "k_cache": fake((GB, GHKV, GCAP, GD), "int8", ptr=pointer()),
+                     "v_cache": fake((GB, GHKV, GCAP, GD), "int8", ptr=pointer()),
+                     "k_scale": fake((GB, GHKV, GCAP), "float32", ptr=pointer()),
+                     "v_scale": fake((GB, GHKV, GCAP), "float32", ptr=pointer()),
+                     "prompt_lens": fake((GB,), "int32", ptr=pointer()),
+                     "seq_lens_out": fake((GB,), "int32", ptr=pointer())}
         arguments |= change(arguments)
         if arguments.pop("function", False):
-            quantize_prompt(**arguments, stream=0)
+            quantize_prompt(quantizer.cache, **arguments, stream=0)
         else:
             quantizer.run(**arguments, stream=0)
     return call
 
 
 def planning(config: Any = None, seq_lens: Any = (5, 9)) -> Callable[[], None]:
-    return lambda: DecodePlan(GHQ, GHKV, GD, max_batch=GB, max_seq_len=GCAP,
-                              device=DEVICE).plan(seq_lens, config=config)
+    return lambda: DecodePlan.create(GHQ, GHKV, GD, max_batch=GB, max_seq_len=GCAP,
+                                     device=DEVICE).plan(seq_lens, config=config)
 
 
 def decode_new(**changes: Any) -> Callable[[], DecodePlan]:
     options = {"num_q_heads": GHQ, "num_kv_heads": GHKV, "head_dim": GD, "max_batch": GB,
                "max_seq_len": GCAP, "device": DEVICE} | changes
-    return lambda: DecodePlan(**options)
+    return lambda: DecodePlan.create(**options)
 
 
 def append_new(**changes: Any) -> Callable[[], AppendPlan]:
     options = {"num_q_heads": GHQ, "num_kv_heads": GHKV, "head_dim": GD, "max_batch": GB,
                "device": DEVICE} | changes
-    return lambda: AppendPlan(**options)
+    return lambda: AppendPlan.create(**options)
 
 
 def case(case_id: str, call: Callable[[], Any], names: tuple[str, ...], message: str = ""
@@ -126,7 +130,8 @@ CASES = [
     case("DecodePlan head_dim=128.0", decode_new(head_dim=128.0), ("head_dim",)),
     case("AppendPlan head_dim=128.0", append_new(head_dim=128.0), ("head_dim",)),
     case("PromptQuantizer head_dim=64.0",
-         lambda: PromptQuantizer(GHKV, 64.0, max_batch=GB, device=DEVICE), ("head_dim",)),
+         lambda: PromptQuantizer.create(GHKV, 64.0, max_batch=GB, device=DEVICE),
+         ("head_dim",)),
     case("DecodePlan sm_scale='x'", decode_new(sm_scale="x"), ("sm_scale",),
          r"sm_scale: expected a real number, got str 'x'"),
     case("DecodePlan sm_scale=nan", decode_new(sm_scale=float("nan")), ("sm_scale",),
@@ -136,8 +141,14 @@ CASES = [
          r"sm_scale: expected a finite non-zero scale"),
     case("AppendPlan rope_theta='x'", append_new(rope="neox", rope_theta="x"), ("rope_theta",)),
     case("AppendPlan rope_theta=None", append_new(rope_theta=None), ("rope_theta",)),
-    case("DecodePlan q_dtype=np.float16 (a type)", decode_new(q_dtype=np.float16), ("q_dtype",),
-         r"q_dtype: expected a dtype name or numpy dtype"),
+    case("DecodePlan dtype=np.float16 (a type)", decode_new(dtype=np.float16), ("dtype",),
+         r"dtype: expected a dtype name or numpy dtype"),
+    case("KVCacheSpec scale_dtype=np.float16 (a type)",
+         lambda: KVCacheSpec(GHKV, GD, scale_dtype=np.float16), ("scale_dtype",),
+         r"scale_dtype: expected a dtype name or numpy dtype"),
+    case("DecodePlan cache=None", lambda: DecodePlan(None, GHQ, max_batch=GB, max_seq_len=GCAP,
+                                                     device=DEVICE), ("cache",),
+         r"cache: expected a KVCacheSpec, got NoneType None"),
     case("AppendPlan dtype=np.dtype(float32)", append_new(dtype=np.dtype("float32")),
          ("dtype",), r"dtype: expected one of \['float16', 'bfloat16'\], got dtype\('float32'\)"),
     case("DecodePlan device='cuda:0'", decode_new(device="cuda:0"), ("device",),
@@ -147,7 +158,9 @@ CASES = [
     case("plan seq_lens ragged", planning(seq_lens=[[1, 2], [3]]), ("seq_lens",),
          r"seq_lens: expected a 1-D sequence of integer lengths, got a list numpy cannot"),
     case("plan config num_warps=3", planning(TileConfig(num_warps=3)), ("config",),
-         r"config.num_warps: expected one of \[2, 4, 8, 16\], got 3"),
+         r"config.num_warps: expected one of \[2, 4, 8\], got 3"),
+    case("plan config num_warps=16", planning(TileConfig(num_warps=16)), ("config",),
+         r"config.num_warps: expected one of \[2, 4, 8\], got 16$"),
     case("plan config stages=-1", planning(TileConfig(stages=-1)), ("config",)),
     case("plan config stages=1", planning(TileConfig(stages=1)), ("config",),
          r"config.stages: expected 0 \(the head_dim's default\) or at least 2, got 1"),
@@ -220,51 +233,67 @@ CASES = [
          prompt_call(lambda a: {"function": True, "k": np.zeros(K_FLOAT32, np.float16)}),
          ("k",)),
     case("quantize_prompt k float32",
-         prompt_call(lambda a: {"function": True, "k": fake(a["k"].ptr, K_FLOAT32, "float32")}),
+         prompt_call(lambda a: {"function": True,
+                                "k": fake(K_FLOAT32, "float32", ptr=a["k"].ptr)}),
          ("k",), r"k: expected dtype float16 or bfloat16, got float32"),
     case("quantize_prompt k_scale=None",
          prompt_call(lambda a: {"function": True, "k_scale": None}), ("k_scale",)),
 ]
 
 
+def stand_in_kernels(program: Any, device: Any) -> tuple[StandInKernel, ...]:
+    """load_kernels for a plan that got past its checks: kernels that pack but never launch."""
+    return tuple(StandInKernel() for _ in program.kernel_names)
+
+
+def test_the_helpers_make_fake_memory_on_the_plans_device():
+    # shifted/restrided (fuzz_support) and fake (stand_ins) must agree on the stand-in device,
+    # or a changed argument would be refused for its device, not for what was changed.
+    array = fake((GB, GHQ, GD), "float16")
+    assert shifted(array, 2).device is restrided(array, array.strides).device is DEVICE
+    assert not shifted(array, 2).closed and not restrided(array, array.strides).closed
+
+
 @pytest.mark.parametrize("call, names, message", CASES)
 def test_rejected_naming_the_argument(call, names, message, monkeypatch):
-    monkeypatch.setattr(decode_plan, "load_variant",
-                        lambda variant, device: (StandInKernel(), StandInKernel()))
+    monkeypatch.setattr(decode_plan, "load_kernels", stand_in_kernels)
     text = assert_rejected(call, names)
     assert re.match(message, text), f"{text!r} does not open with {message!r}"
 
 
 def test_plan_checks_the_config_before_compiling(monkeypatch):
     loaded: list[Any] = []
-    monkeypatch.setattr(decode_plan, "load_variant", lambda variant, device: loaded.append(
-        variant) or (StandInKernel(), StandInKernel()))
+    monkeypatch.setattr(decode_plan, "load_kernels", lambda program, device: loaded.append(
+        program) or stand_in_kernels(program, device))
     assert_rejected(planning(TileConfig(num_splits=0)), ("config",))
     assert not loaded, "config.num_splits must be checked before compiling and loading"
 
 
 @pytest.mark.parametrize("tiles, error", [(3, ValueError), (0, ValueError), (2.0, TypeError)])
 def test_plan_rejects_unsupported_tiles_per_step(tiles, error, monkeypatch):
-    monkeypatch.setattr(decode_plan, "load_variant",
-                        lambda variant, device: (StandInKernel(), StandInKernel()))
+    monkeypatch.setattr(decode_plan, "load_kernels", stand_in_kernels)
     with pytest.raises(error, match=r"^config\.tiles: "):
         planning(TileConfig(tiles=tiles))()
 
 
 # -- what is accepted, and how it is stored -----------------------------------------------------
 @pytest.mark.parametrize("make, stored", [
-    (decode_new(q_dtype=np.dtype("float16"), scale_dtype=np.dtype("float16")),
-     {"q_dtype": "float16", "scale_dtype": "float16"}),
-    (decode_new(q_dtype="bfloat16"), {"q_dtype": "bfloat16", "scale_dtype": "float32"}),
+    (decode_new(dtype=np.dtype("float16"), scale_dtype=np.dtype("float16")),
+     {"dtype": "float16", "cache.scale_dtype": "float16"}),
+    (decode_new(dtype="bfloat16"), {"dtype": "bfloat16", "cache.scale_dtype": "float32"}),
     (append_new(dtype=np.dtype("bfloat16")), {"dtype": "bfloat16"}),
-    (lambda: PromptQuantizer(GHKV, GD, max_batch=GB, dtype=np.dtype("bfloat16"),
-                             scale_dtype=np.dtype("float32"), device=DEVICE),
-     {"dtype": "bfloat16", "scale_dtype": "float32"}),
+    (lambda: PromptQuantizer.create(GHKV, GD, max_batch=GB, dtype=np.dtype("bfloat16"),
+                                    scale_dtype=np.dtype("float32"), device=DEVICE),
+     {"dtype": "bfloat16", "cache.scale_dtype": "float32"}),
+    (lambda: KVCacheSpec(GHKV, GD, scale_dtype=np.dtype("float16"),
+                         cache_dtype=np.dtype("int8")),
+     {"scale_dtype": "float16", "cache_dtype": "int8"}),
 ])
 def test_dtype_options_are_stored_as_the_plain_names_the_variants_use(make, stored):
     plan = make()
-    assert {name: getattr(plan, name) for name in stored} == stored
-    assert all(type(getattr(plan, name)) is str for name in stored)
+    values = {name: operator.attrgetter(name)(plan) for name in stored}
+    assert values == stored
+    assert all(type(value) is str for value in values.values())
 
 
 def test_numpy_integer_options_are_accepted_as_ints():
@@ -273,6 +302,8 @@ def test_numpy_integer_options_are_accepted_as_ints():
     append = append_new(num_kv_heads=np.int64(GHKV), head_dim=np.int64(GD))()
     assert (plan.num_q_heads, plan.head_dim, plan.max_batch) == (GHQ, GD, GB)
     assert type(plan.head_dim) is int and type(append.variant.head_dim) is int
+    assert (type(plan.num_q_heads), type(plan.max_batch)) == (int, int)
+    assert type(append.num_kv_heads) is int
 
 
 def test_a_device_stand_in_needs_an_int_ordinal_and_a_compute_capability():
@@ -282,7 +313,7 @@ def test_a_device_stand_in_needs_an_int_ordinal_and_a_compute_capability():
 
 
 def test_q_out_may_be_q_itself_or_disjoint_from_it():
-    plan = AppendPlan(GHQ, GHKV, GD, max_batch=GB, rope="neox", device=DEVICE)
+    plan = AppendPlan.create(GHQ, GHKV, GD, max_batch=GB, rope="neox", device=DEVICE)
     launches: list[Any] = []
     plan._launch = lambda grid, stream: launches.append(grid)
     arguments = append_arguments()

@@ -1,10 +1,11 @@
 """The accuracy report: attention error of each INT8 scale mode against unquantized fp16
 attention, on Gaussian K/V and on K with outlier channels (lowlevel_fd/accuracy.py).
 
-    python3 tools/accuracy.py                  # CPU (numpy, deterministic): print the table
-    python3 tools/accuracy.py --gpu            # also through the kernels: prompt quantization
-                                               # + one appended token + DecodePlan
-    python3 tools/accuracy.py --update-readme  # also write the table into README.md
+    PYTHONPATH=. python3 tools/accuracy.py                  # CPU (numpy, deterministic)
+    PYTHONPATH=. python3 tools/accuracy.py --gpu            # also through the kernels: prompt
+                                                            # quantization + one appended
+                                                            # token + DecodePlan
+    PYTHONPATH=. python3 tools/accuracy.py --update-readme  # also write it into README.md
 
 README.md holds the table between ``<!-- ACCURACY -->`` and ``<!-- /ACCURACY -->``; a lone
 ``<!-- ACCURACY ... -->`` placeholder is replaced by the table wrapped in both markers.
@@ -19,11 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lowlevel_fd.accuracy import (DATA_KINDS, SCALE_MODES, Data, ErrorRow, Shape,  # noqa: E402
-                                  errors, make_data, markdown_table, measure,
-                                  reference_output)
+from lowlevel_fd.accuracy import (DATA_KINDS, SCALE_MODES, Data, ErrorRow, Shape, errors,
+                                  make_data, markdown_table, measure, reference_output)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- ACCURACY -->", "<!-- /ACCURACY -->"
@@ -49,9 +47,7 @@ def splice(text: str, table: str) -> str:
 def gpu_output(data: Data, mode: str, device, stream) -> np.ndarray:
     """Quantize tokens 0..S-2 with PromptQuantizer, append token S-1 with AppendPlan (advance),
     attend with DecodePlan; returns the fp16 output as float64 ``[B, Hq, D]``."""
-    from lowlevel_fd.append import AppendPlan, PromptQuantizer
-    from lowlevel_fd.decode import DecodePlan
-    from lowlevel_fd.driver import DeviceArray
+    from lowlevel_fd import AppendPlan, DecodePlan, DeviceArray, KVCacheSpec, PromptQuantizer
     from lowlevel_fd.quant import calibrate_scales
 
     scale_mode, scale_dtype = SCALE_MODES[mode]
@@ -67,8 +63,8 @@ def gpu_output(data: Data, mode: str, device, stream) -> np.ndarray:
         owned.append(DeviceArray.empty(shape, dtype, device))
         return owned[-1]
 
-    options = dict(kv_layout="bnsh", scale_mode=scale_mode, scale_dtype=scale_dtype,
-                   device=device)
+    cache = KVCacheSpec(Hkv, D, kv_layout="bnsh", scale_mode=scale_mode,
+                        scale_dtype=scale_dtype)
     try:
         k, v, q = upload(data.k), upload(data.v), upload(data.q)
         caches = [empty((B, Hkv, S, D), np.int8) for _ in range(2)]
@@ -78,15 +74,17 @@ def gpu_output(data: Data, mode: str, device, stream) -> np.ndarray:
             scales = [upload(calibrate_scales(x, scale_mode)) for x in (data.k, data.v)]
         seq_lens = upload(np.full(B, S - 1, np.int32))
         out = empty((B, Hq, D), np.float16)
-        with PromptQuantizer(Hkv, D, max_batch=B, prompt_layout="bnsh", **options) as prompt, \
-                AppendPlan(Hq, Hkv, D, max_batch=B, **options) as append, \
-                DecodePlan(Hq, Hkv, D, max_batch=B, max_seq_len=S, **options) as attention:
+        with PromptQuantizer(cache, max_batch=B, prompt_layout="bnsh",
+                             device=device) as prompt, \
+                AppendPlan(cache, Hq, max_batch=B, device=device) as append, \
+                DecodePlan(cache, Hq, max_batch=B, max_seq_len=S, device=device) as attention:
             prompt.run(k, v, *caches, *scales, seq_lens, stream=stream)
             append.run(k[:, :, S - 1], v[:, :, S - 1], *caches, *scales, seq_lens,
                        advance=True, stream=stream)
             attention.plan([S] * B)
             attention.run(q, *caches, *scales, seq_lens, out, stream=stream)
-            if prompt.error_flags(stream=stream) or append.error_flags(stream=stream):
+            if (prompt.error_flags(stream=stream) or append.error_flags(stream=stream)
+                    or attention.error_flags(stream=stream)):
                 raise RuntimeError("accuracy --gpu: a kernel reported an error flag")
             result = out.numpy(stream=stream).astype(np.float64)
             if seq_lens.numpy().tolist() != [S] * B:

@@ -15,19 +15,14 @@ import argparse
 import dataclasses
 import sys
 import traceback
-from pathlib import Path
 
-_TOOLS = Path(__file__).resolve().parent
-if str(_TOOLS) not in sys.path:  # benchlib lives next to this file
-    sys.path.insert(0, str(_TOOLS))
-if str(_TOOLS.parent) not in sys.path:  # run from a checkout without PYTHONPATH=.
-    sys.path.append(str(_TOOLS.parent))
-
-from benchlib.report import footnotes, format_table, fmt_us, write_json  # noqa: E402
-from benchlib.session import Iterations, iterations, progress, run_metadata  # noqa: E402
-from benchlib.stats import timing_record  # noqa: E402
-from benchlib.workloads import (MIB, GIB, Workload, add_workload_arguments,  # noqa: E402
-                                is_l2_honest, layer_count, parse_config, workloads_from_args)
+# benchlib sits next to this file: on sys.path when run as a script, and through pytest's
+# pythonpath setting (pyproject.toml) in the tests.
+from benchlib.report import footnotes, format_table, fmt_us, write_json
+from benchlib.session import Iterations, iterations, progress, run_metadata
+from benchlib.stats import timing_record
+from benchlib.workloads import (MIB, GIB, Workload, add_workload_arguments, is_l2_honest,
+                                layer_count, parse_config, workloads_from_args)
 
 TOOL = "tools/bench.py"
 # After these the context is dead: every later call fails too, so the sweep stops there.

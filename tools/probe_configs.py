@@ -1,15 +1,18 @@
 """Quick L2-honest probe of DecodePlan tile configs (development aid; tools/tune.py is the
-full sweep). Usage: probe_configs.py [--configs "w,splits,min,stages,fused[,cluster[,pdl[,tiles]]];..."]
-[--pad TOKENS] B,S [B,S ...]. --pad allocates the caches with that many spare tokens per head."""
+full sweep). Usage: PYTHONPATH=. python3 tools/probe_configs.py
+[--configs "w,splits,min,stages,fused[,cluster[,pdl[,tiles]]];..."] [--pad TOKENS] B,S [B,S ...].
+--pad allocates the caches with that many spare tokens per head."""
 from __future__ import annotations
 
-import sys
+import argparse
 
 import numpy as np
 
-from lowlevel_fd.decode import DecodePlan, TileConfig
-from lowlevel_fd.driver import DeviceArray, Stream
+from lowlevel_fd import DecodePlan, DeviceArray, KVCacheSpec, Stream, TileConfig
 from lowlevel_fd.timing import time_graph
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+CACHE = KVCacheSpec(KV_HEADS, HEAD_DIM)  # bnsh, per-token fp32 scales
 
 
 def layers_for(nbytes: int) -> int:
@@ -18,8 +21,8 @@ def layers_for(nbytes: int) -> int:
 
 def probe(batch: int, length: int, configs: list[TileConfig | None], pad: int = 0) -> None:
     rng = np.random.default_rng(0)
-    shape = (batch, 8, length + pad, 128)
-    kv = batch * 8 * length * (256 + 8)
+    shape = (batch, KV_HEADS, length + pad, HEAD_DIM)
+    kv = batch * KV_HEADS * length * (2 * HEAD_DIM + 8)  # int8 K and V, fp32 scales
     num_layers = layers_for(kv)
     stream = Stream()
     lens = DeviceArray.from_numpy(np.full(batch, length, np.int32))
@@ -35,11 +38,11 @@ def probe(batch: int, length: int, configs: list[TileConfig | None], pad: int = 
             flat_v[off:off + n].copy_from_numpy(chunk[::-1][:n])
         ks = DeviceArray.from_numpy(rng.uniform(0.004, 0.012, shape[:3]).astype(np.float32))
         vs = DeviceArray.from_numpy(rng.uniform(0.004, 0.012, shape[:3]).astype(np.float32))
-        q = DeviceArray.from_numpy(rng.standard_normal((batch, 32, 128)).astype(np.float16))
-        out = DeviceArray.empty((batch, 32, 128), np.float16)
+        q = DeviceArray.from_numpy(rng.standard_normal((batch, HEADS, HEAD_DIM)).astype(np.float16))
+        out = DeviceArray.empty((batch, HEADS, HEAD_DIM), np.float16)
         layers.append((q, k, v, ks, vs, out))
     for config in configs:
-        plan = DecodePlan(32, 8, 128, max_batch=batch, max_seq_len=length)
+        plan = DecodePlan(CACHE, HEADS, max_batch=batch, max_seq_len=length)
         plan.plan([length] * batch, config=config)
         def step() -> None:
             for q, k, v, ks, vs, out in layers:
@@ -58,7 +61,8 @@ def probe(batch: int, length: int, configs: list[TileConfig | None], pad: int = 
 
 
 def parse_configs(text: str) -> list[TileConfig | None]:
-    """"w,splits,min,stages,fused[,cluster[,pdl]];..." -> TileConfigs ("auto": the planner)."""
+    """"w,splits,min,stages,fused[,cluster[,pdl[,tiles]]];..." -> TileConfigs ("auto": the
+    planner's choice)."""
     configs: list[TileConfig | None] = []
     for item in text.split(";"):
         if item == "auto":
@@ -71,18 +75,34 @@ def parse_configs(text: str) -> list[TileConfig | None]:
     return configs
 
 
-def main() -> None:
-    explicit, pad = None, 0
-    while len(sys.argv) > 2 and sys.argv[1] in ("--configs", "--pad"):
-        if sys.argv[1] == "--configs":
-            explicit = parse_configs(sys.argv[2])
-        else:
-            pad = int(sys.argv[2])
-        del sys.argv[1:3]
-    for arg in sys.argv[1:]:
-        batch, length = map(int, arg.split(","))
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        batch, length = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B,S (e.g. 1,32768), got {text!r}") from None
+    return batch, length
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split(". Usage")[0])
+    parser.add_argument("shapes", nargs="+", type=parse_shape, metavar="B,S")
+    parser.add_argument("--configs", help="'w,splits,min,stages,fused[,cluster[,pdl[,tiles]]];"
+                                          "...' ('auto': the planner's); default: a grid")
+    parser.add_argument("--pad", type=int, default=0,
+                        help="spare tokens per head in the caches (default 0)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        explicit = parse_configs(args.configs) if args.configs else None
+    except (TypeError, ValueError) as exc:
+        parser.error(f"--configs: {exc}")
+    for batch, length in args.shapes:
         if explicit is not None:
-            probe(batch, length, explicit, pad)
+            probe(batch, length, explicit, args.pad)
             continue
         configs: list[TileConfig | None] = [None]
         for warps in (4, 8):
@@ -90,7 +110,7 @@ def main() -> None:
                 for stages in (2, 4, 6):
                     configs.append(TileConfig(warps, splits, 16, True, stages))
             configs.append(TileConfig(warps, 16, 16, False))
-        probe(batch, length, configs, pad)
+        probe(batch, length, configs, args.pad)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,22 @@
 """How much per-SM parallelism a plain 16-byte streaming read needs (development aid).
 Reads 64 MiB regions of a 2 GiB random buffer (a different region per launch, so L2 never
-serves it) with several grid shapes; prints the median µs and GB/s per launch shape."""
+serves it) with several grid shapes; prints the median µs and GB/s per launch shape.
+
+    PYTHONPATH=. python3 tools/stream_probe.py
+"""
 from __future__ import annotations
 
-import sys
+import argparse
 
 import numpy as np
+from benchlib.kernels import bench_kernel, fill_random
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib.kernels import bench_kernel, fill_random  # noqa: E402
-
-from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream  # noqa: E402
-from lowlevel_fd.timing import time_graph  # noqa: E402
+from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
+from lowlevel_fd.timing import time_graph
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     device, stream = Device(0), Stream()
     region = 64 * 2**20
     buffer = DeviceArray.empty(32 * region, np.uint8)

@@ -16,20 +16,14 @@ import argparse
 import dataclasses
 import sys
 import traceback
-from pathlib import Path
 
-_TOOLS = Path(__file__).resolve().parent
-if str(_TOOLS) not in sys.path:
-    sys.path.insert(0, str(_TOOLS))
-if str(_TOOLS.parent) not in sys.path:
-    sys.path.append(str(_TOOLS.parent))
-
-from benchlib.report import fmt_us, write_json  # noqa: E402
-from benchlib.session import Iterations, iterations, progress, run_metadata  # noqa: E402
-from benchlib.stats import summarize  # noqa: E402
-from benchlib.workloads import (DEFAULT_SHAPES, Workload, add_workload_arguments,  # noqa: E402
-                                layer_count, workloads_from_args)
-from lowlevel_fd.decode.planner import MAX_CLUSTER, MAX_SPLITS, TileConfig  # noqa: E402
+from benchlib.report import fmt_us, write_json
+from benchlib.session import Iterations, iterations, progress, run_metadata
+from benchlib.stats import summarize
+from benchlib.workloads import (DEFAULT_SHAPES, Workload, add_workload_arguments, layer_count,
+                                workloads_from_args)
+from lowlevel_fd.core.support import WARP_COUNTS
+from lowlevel_fd.decode.planner import MAX_CLUSTER, MAX_SPLITS, TileConfig
 
 TOOL = "tools/tune.py"
 # The issue's sweep shapes (the layout x scale-mode variants share B=8, S=4096's schedule).
@@ -47,7 +41,7 @@ def split_candidates(auto_splits: int, max_splits: int = MAX_SPLITS) -> list[int
     return sorted(s for s in {1, auto_splits} | powers | near if 1 <= s <= max_splits)
 
 
-def candidate_configs(auto: TileConfig, warps: tuple[int, ...] = (2, 4, 8),
+def candidate_configs(auto: TileConfig, warps: tuple[int, ...] = WARP_COUNTS,
                       stages: tuple[int, ...] | None = None) -> list[TileConfig]:
     """The sweep for one workload, without duplicates, the planner's choice included. With a
     single split, min_split_tokens and the merge have no effect, so one config stands in.
@@ -108,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, help="timed replays per config (default 50)")
     parser.add_argument("--warmup", type=int, help="untimed replays first (default 10)")
     parser.add_argument("--layers", type=int, help="layers L (default: bench's 200 MiB rule)")
-    parser.add_argument("--warps", default="2,4,8", help="num_warps values (default 2,4,8)")
+    warps = ",".join(map(str, WARP_COUNTS))
+    parser.add_argument("--warps", default=warps, help=f"num_warps values (default {warps})")
     parser.add_argument("--stages", help="stages values to sweep (default: the planner's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write every config's timings here")
@@ -200,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         default_iters = None if args.quick else 50  # bench's 100 would double the sweep
         iters = iterations(args.quick, args.iters if args.iters is not None else default_iters,
                            args.warmup)
-        args.warp_values = parse_ints("--warps", args.warps, allowed=(2, 4, 8))
+        args.warp_values = parse_ints("--warps", args.warps, allowed=WARP_COUNTS)
         args.stage_values = parse_ints("--stages", args.stages) if args.stages else None
+        if args.stage_values and 1 in args.stage_values:  # decode.cu needs two in flight
+            raise ValueError(f"--stages: expected 0 (the head_dim's default) or >= 2, got "
+                             f"{args.stages!r}")
     except ValueError as exc:
         parser.error(str(exc))
     from benchlib.session import device_line

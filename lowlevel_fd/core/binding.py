@@ -8,7 +8,7 @@ loop): ``wrap_cache`` is cheap, ``check_cache`` is not.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Tuple
 
 from ..driver import Device, DeviceArray
 from . import validate as check
@@ -17,19 +17,19 @@ from .spec import KVCacheSpec
 CACHE_NAMES = ("k_cache", "v_cache", "k_scale", "v_scale")
 
 
-class CacheArrays(NamedTuple):
-    k: DeviceArray
-    v: DeviceArray
-    k_scale: DeviceArray
-    v_scale: DeviceArray
+# (k_cache, v_cache, k_scale, v_scale): a plain tuple, built on every run (host overhead).
+CacheArrays = Tuple[DeviceArray, DeviceArray, DeviceArray, DeviceArray]
 
 
 def wrap_cache(device: Device, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any, *,
                elements: bool = True) -> CacheArrays:
     """The four arrays as open DeviceArrays on ``device`` (``elements=False`` leaves the element
     alignment to ``check_cache``)."""
-    return CacheArrays(*(check.device_array(name, obj, device, elements=elements)
-                         for name, obj in zip(CACHE_NAMES, (k_cache, v_cache, k_scale, v_scale))))
+    wrap = check.device_array
+    return (wrap("k_cache", k_cache, device, elements=elements),
+            wrap("v_cache", v_cache, device, elements=elements),
+            wrap("k_scale", k_scale, device, elements=elements),
+            wrap("v_scale", v_scale, device, elements=elements))
 
 
 def layout_strides(spec: KVCacheSpec, k: DeviceArray) -> tuple[int, int, int, int]:

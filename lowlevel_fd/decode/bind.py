@@ -40,9 +40,11 @@ class RunBinder:
     def bind(self, p: DecodeParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, out: Any, lse: Any) -> None:
         """run()'s arguments into ``p`` (its append fields are left alone)."""
+        # The hot path of a decode loop: plain calls, no generators (host overhead per run).
         wrap, device = check.device_array, self.device
-        own = tuple(None if obj is None else wrap(name, obj, device, elements=False)
-                    for name, obj in zip(_RUN, (q, out, seq_lens, lse)))
+        own = (wrap("q", q, device, elements=False), wrap("out", out, device, elements=False),
+               wrap("seq_lens", seq_lens, device, elements=False),
+               None if lse is None else wrap("lse", lse, device, elements=False))
         cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, elements=False)
         key = self._key(False, own, cache)
         if key != self._validated:
@@ -79,8 +81,8 @@ class RunBinder:
 
     def _key(self, append: bool, arrays: tuple, cache: CacheArrays) -> tuple:
         return (append, self.batch, self.longest,
-                *((a.ptr, a.shape, a.strides, a.dtype) for a in arrays + tuple(cache)
-                  if a is not None))
+                *[(a.ptr, a.shape, a.strides, a.dtype) for a in arrays if a is not None],
+                *[(a.ptr, a.shape, a.strides, a.dtype) for a in cache])
 
     def _rows(self, name: str, array: DeviceArray | None, heads: int, labels: str) -> None:
         """fp16/bf16 ``[B, heads, D]`` in the plan's dtype, rows 16-byte aligned."""

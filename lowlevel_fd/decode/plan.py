@@ -291,10 +291,9 @@ class DecodePlan:
 
     def _require_planned(self, call: str, append: bool = False) -> None:
         self._require_open()
-        if self._split is None:
-            raise RuntimeError(f"{call}: call plan(seq_lens) first")
-        if append and self._split_append is None:
-            raise RuntimeError(f"{call}: call plan(seq_lens, append=True) first")
+        if self._split is None or (append and self._split_append is None):
+            raise RuntimeError(f"{call}: call plan(seq_lens{', append=True' if append else ''}) "
+                               f"first")
 
     def close(self) -> None:
         """Free the workspace; the plan cannot run afterwards."""

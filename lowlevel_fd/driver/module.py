@@ -95,6 +95,7 @@ class Kernel:
         self.name = name
         self.handle = cu.cuModuleGetFunction(module.handle, name.encode())
         self._dynamic_shared_allowed = 48 * 1024  # the default limit of every kernel
+        self._large_clusters = False
 
     def attribute(self, attr: str) -> int:
         return int(cu.cuFuncGetAttribute(getattr(raw.CUfunction_attribute, attr), self.handle))
@@ -125,10 +126,12 @@ class Kernel:
             self.set_max_dynamic_shared(nbytes)
 
     def allow_large_clusters(self) -> None:
-        """Permit clusters of up to 16 CTAs (8 is the portable limit)."""
-        cu.cuFuncSetAttribute(
-            self.handle,
-            raw.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        """Permit clusters of up to 16 CTAs (8 is the portable limit); once per kernel."""
+        if not self._large_clusters:
+            cu.cuFuncSetAttribute(
+                self.handle,
+                raw.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            self._large_clusters = True
 
     def occupancy(self, block_threads: int, dynamic_shared: int = 0) -> int:
         """Resident blocks per SM for this block size and dynamic shared memory."""

@@ -1,26 +1,41 @@
-"""The benchmark's own kernels (lowlevel_fd/cu/bench.cu): device-side random fill and the
-read-bandwidth reference every decode result is compared against."""
+"""The benchmark's own kernels (tools/benchlib/bench.cu): device-side random fill and the
+read-bandwidth reference every decode result is compared against.
+
+bench.cu is not part of the library (the wheel ships only lowlevel_fd/cu): it is compiled here
+through the public compiler API, with lowlevel_fd/cu on the include path for common.cuh."""
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import numpy as np
 
-from lowlevel_fd.compiler import CompileOptions, compile_cached
+from lowlevel_fd.compiler import CompiledProgram, CompileOptions, compile_source
 from lowlevel_fd.driver import Device, DeviceArray, Event, Kernel, LaunchConfig, Module, Stream
 
 from .stats import gbps, summarize
 
 GIB = 2**30
+SOURCE = Path(__file__).resolve().parent / "bench.cu"
+KERNELS = ("read_bandwidth", "fill_random")  # extern "C": their names are their symbols
 # (blocks per SM, threads per block): the same 2048 resident threads per SM cut different ways,
 # plus an oversubscribed grid; the best one is the reference.
 BANDWIDTH_CONFIGS = ((4, 512), (8, 512), (16, 256), (2, 1024), (32, 128))
 _modules: dict[int, Module] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def bench_program(arch: str) -> CompiledProgram:
+    """bench.cu compiled for ``arch`` (e.g. ``"sm_90"``; no GPU needed), once per process and
+    arch. Not in the library's disk cache, which holds only lowlevel_fd/cu sources."""
+    return compile_source(SOURCE.read_text(), SOURCE.name, CompileOptions(arch=arch))
+
+
 def bench_kernel(device: Device, name: str) -> Kernel:
-    """``read_bandwidth`` or ``fill_random``, compiled (cached) for this device's arch."""
+    """``read_bandwidth`` or ``fill_random``, compiled for this device's arch (once per
+    process) and loaded on it (once per device)."""
     if device.ordinal not in _modules:
-        program = compile_cached("bench.cu", CompileOptions(arch=device.arch))
-        _modules[device.ordinal] = Module(program.cubin, device)
+        _modules[device.ordinal] = Module(bench_program(device.arch).cubin, device)
     return _modules[device.ordinal].get_kernel(name)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowlevel_fd.decode import DecodePlan, TileConfig
+from lowlevel_fd import DecodePlan, KVCacheSpec, TileConfig
 from lowlevel_fd.driver import Device, Stream
 from lowlevel_fd.timing import time_graph, time_replays  # noqa: F401 (re-exported)
 
@@ -25,11 +25,12 @@ class WorkloadBench:
         self.workload, self.num_layers, self.stream = workload, num_layers, stream
         self.layers = LayerSet(workload, num_layers, device, stream, seed)
         try:
-            self.plan = DecodePlan(
-                workload.num_q_heads, workload.num_kv_heads, workload.head_dim,
-                max_batch=workload.batch, max_seq_len=workload.seq_len,
-                q_dtype=workload.q_dtype, kv_layout=workload.kv_layout,
-                scale_mode=workload.scale_mode, scale_dtype=workload.scale_dtype, device=device)
+            cache = KVCacheSpec(workload.num_kv_heads, workload.head_dim,
+                                kv_layout=workload.kv_layout, scale_mode=workload.scale_mode,
+                                scale_dtype=workload.scale_dtype)
+            self.plan = DecodePlan(cache, workload.num_q_heads, max_batch=workload.batch,
+                                   max_seq_len=workload.seq_len, dtype=workload.q_dtype,
+                                   device=device)
         except BaseException:
             self.layers.close()
             raise

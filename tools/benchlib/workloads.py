@@ -246,7 +246,8 @@ def workloads_from_args(args: argparse.Namespace,
 def parse_config(text: str):
     """'num_warps,num_splits,min_split_tokens,fused[,stages[,cluster[,pdl]]]' -> TileConfig
     (booleans 1/0/true/false; stages 0 = the head_dim's default)."""
-    from lowlevel_fd.decode.planner import MAX_SPLITS, TileConfig
+    from lowlevel_fd.core.support import WARP_COUNTS
+    from lowlevel_fd.decode.planner import MAX_SPLITS, TileConfig, check_config
     flags = {"1": True, "true": True, "0": False, "false": False}
     parts = [p.strip().lower() for p in text.split(",")]
     try:
@@ -262,10 +263,14 @@ def parse_config(text: str):
     except (ValueError, KeyError):
         raise ValueError(f"--config: expected 'num_warps,num_splits,min_split_tokens,fused"
                          f"[,stages[,cluster[,pdl]]]' (e.g. '4,16,128,1'), got {text!r}") from None
-    if warps not in (2, 4, 8, 16) or not 1 <= splits <= MAX_SPLITS or min_tokens < 16 \
+    if warps not in WARP_COUNTS or not 1 <= splits <= MAX_SPLITS or min_tokens < 16 \
             or min_tokens % 16 or extra.get("stages", 0) < 0:
-        raise ValueError(f"--config: need num_warps in (2, 4, 8, 16), 1 <= num_splits <= "
+        raise ValueError(f"--config: need num_warps in {WARP_COUNTS}, 1 <= num_splits <= "
                          f"{MAX_SPLITS}, min_split_tokens a positive multiple of 16, "
                          f"stages >= 0; got {text!r}")
-    return TileConfig(num_warps=warps, num_splits=splits, min_split_tokens=min_tokens,
-                      fused_merge=fused, **extra)
+    config = TileConfig(num_warps=warps, num_splits=splits, min_split_tokens=min_tokens,
+                        fused_merge=fused, **extra)
+    try:  # what plan() would reject later: stages 1, a cluster of more than 16 splits
+        return check_config(config)
+    except ValueError as exc:
+        raise ValueError(f"--config: {exc}; got {text!r}") from None

@@ -1,11 +1,11 @@
-// Kernels of the benchmark tool (tools/bench.py), not of the library:
+// Kernels of the benchmark tools (tools/bench.py, tools/stream_probe.py), not of the library:
 //  * read_bandwidth: the device's achievable streaming-read bandwidth, the yardstick every
 //    decode result is reported against. It reads exactly like the decode kernel streams the KV
 //    cache (16-byte ld.global.cs vectors), so "% of measured bandwidth" compares like with like.
 //  * fill_random: fills buffers with pseudo-random bytes on the device. Zero pages can be
 //    served faster by some memory systems and make correctness checks vacuous, and uploading
 //    tens of GiB of numpy randomness over PCIe would dominate the run time.
-#include "common.cuh"
+#include "common.cuh"  // from lowlevel_fd/cu/: CompileOptions puts it on the include path
 
 namespace llfd {
 
