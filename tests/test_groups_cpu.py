@@ -10,7 +10,8 @@ from lowlevel_fd import DecodePlan, KVCacheSpec, TileConfig
 from lowlevel_fd.core import support
 from lowlevel_fd.decode.params import DecodeParams
 from lowlevel_fd.decode.planner import check_config
-from lowlevel_fd.decode.variants import CTA_HEADS, DecodeVariant, head_chunks, shipped_variants
+from lowlevel_fd.decode.variants import (CTA_HEADS, MASKED_CTA_HEADS, DecodeVariant, head_chunks,
+                                         shipped_variants)
 
 from stand_ins import DEVICE
 
@@ -25,9 +26,9 @@ def test_every_group_is_covered_exactly_once_by_its_chunks(group):
     assert sum(covered) == group and all(h >= 1 for h in covered)  # no empty CTA
     if group <= 16:  # one CTA of the next power of two
         assert chunks == 1 and cta_heads == 1 << (group - 1).bit_length()
-    else:  # CTAs of 16, as few as possible, sharing the group evenly
+    else:  # CTAs of 16, as few as possible; all but the last take ceil(group / chunks)
         assert cta_heads == 16 and chunks == -(-group // 16)
-        assert max(covered) - min(covered) <= 1
+        assert covered[:-1] == [chunk_heads] * (chunks - 1) and chunk_heads == -(-group // chunks)
 
 
 @pytest.mark.parametrize("group, expected", [
@@ -46,13 +47,19 @@ def test_a_tile_config_may_ask_for_other_ctas(group, cta_heads, expected):
 
 
 def test_groups_share_the_power_of_two_kernels():
-    """The variant count does not grow with the groups: every group maps to one of five."""
+    """The variant count does not grow with the groups: a power of two up to 16 has its exact
+    kernel, every other group one of three masked ones (4, 8 or 16 heads per CTA)."""
     spec = KVCacheSpec(8, 128)
-    kernels = {DecodeVariant.planned(spec, group, "float16", TileConfig()).split_kernel
+    planned = {group: DecodeVariant.planned(spec, group, "float16", TileConfig())
                for group in support.GROUP_SIZES}
-    assert len(kernels) == len(CTA_HEADS)
-    shipped = {v.cta_heads for v in shipped_variants() if isinstance(v, DecodeVariant)}
-    assert shipped == set(CTA_HEADS)
+    assert len({v.split_kernel for v in planned.values()}) == len(CTA_HEADS) + 3
+    for group, variant in planned.items():
+        assert variant.masked == (group not in CTA_HEADS)
+        assert variant.cta_heads == (group if group in CTA_HEADS else head_chunks(group)[0])
+    shipped = {(v.cta_heads, v.masked) for v in shipped_variants()
+               if isinstance(v, DecodeVariant)}
+    assert shipped == {(n, False) for n in CTA_HEADS} | {(n, True) for n in MASKED_CTA_HEADS}
+    assert {(v.cta_heads, v.masked) for v in planned.values()} <= shipped
 
 
 @pytest.mark.parametrize("group", GROUPS)

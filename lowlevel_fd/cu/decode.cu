@@ -32,8 +32,10 @@ namespace llfd {
 // one softmax reduction per 32 tokens (more work in flight per warp when warps are few).
 // APPEND: the fused append of decode_append.cuh (DecodePlan.append_and_run); seq_lens are then
 // the new tokens' positions.
+// MASKED: the query group is not GROUP: fewer heads (the rest masked) or more (chunks of CTAs
+// per KV head), from DecodeParams' group fields at run time (HeadChunk).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES, bool CLUSTER, int TILES, bool APPEND>
+          int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
@@ -52,7 +54,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __shared__ int is_last;
 
   // blockIdx.x: a KV head and a chunk of at most GROUP of its query heads (HeadChunk).
-  const HeadChunk hc(p, blockIdx.x);
+  const HeadChunk<GROUP, MASKED> hc(p, blockIdx.x);
   const int kvh = hc.kvh, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int head0 = hc.first;
@@ -387,7 +389,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __syncthreads();
 
   const bool single = active == 1;
-  const int64_t part = (static_cast<int64_t>(b) * hc.slots + hc.slot) * p.num_splits + split;
+  const int64_t part = (static_cast<int64_t>(b) * hc.slots(p) + hc.slot) * p.num_splits + split;
   // Cluster merge: this CTA's slot in the leader's shared memory and the leader's barrier.
   float* const slots =
       reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.cluster_slots_offset);
@@ -460,7 +462,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
       if (p.lse != nullptr && quad.writes_lse())
 #pragma unroll
         for (int col = 0; col < Q::kHeads; ++col)
-          if (quad.head0 + col < hc.heads) p.lse[hc.row(p, b, quad.head0 + col)] = lse2[col] * kLn2;
+          if (hc.has(quad.head0 + col)) p.lse[hc.row(p, b, quad.head0 + col)] = lse2[col] * kLn2;
     } else {
       float* dst = p.partial_out + part * GROUP * HEAD_DIM + quad.d;
       *reinterpret_cast<float2*>(dst + quad.head0 * HEAD_DIM) = make_float2(value.x, value.z);
@@ -487,14 +489,14 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const uint32_t arrived = atomicAdd(p.counters + b * hc.slots + hc.slot, 1u);
+    const uint32_t arrived = atomicAdd(p.counters + b * hc.slots(p) + hc.slot, 1u);
     is_last = arrived + 1 == static_cast<uint32_t>(active);
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   merge_splits<HEAD_DIM, GROUP, QT>(p, b, hc, active, smem);
-  if (threadIdx.x == 0) p.counters[b * hc.slots + hc.slot] = 0;  // ready for the next launch
+  if (threadIdx.x == 0) p.counters[b * hc.slots(p) + hc.slot] = 0;  // ready for the next launch
 }
 
 }  // namespace llfd

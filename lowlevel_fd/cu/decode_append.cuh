@@ -38,12 +38,12 @@ struct NewTokenState<false, HEAD_DIM, GROUP> { using type = NoNewToken; };
 
 // Row `row` of the staging pass: the chunk's query heads 0..GROUP-1 (zero past its `heads`),
 // then the new K and V rows of its KV head.
-template <int HEAD_DIM, int GROUP>
-__device__ __forceinline__ uint4 load_new_row(const DecodeParams& p, int b, const HeadChunk& hc,
+template <int HEAD_DIM, int GROUP, typename Chunk>
+__device__ __forceinline__ uint4 load_new_row(const DecodeParams& p, int b, const Chunk& hc,
                                               int row, int lane) {
   const uint16_t* src;
   if (row < GROUP) {
-    if (row >= hc.heads) return make_uint4(0, 0, 0, 0);
+    if (!hc.has(row)) return make_uint4(0, 0, 0, 0);
     src = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
           (hc.first + row) * p.q_head_stride;
   } else if (row == GROUP)
@@ -99,10 +99,11 @@ struct RopeCoefficients {
 // into the cache when `writer`), fill sh.k, sh.value and sh.k_dequant. `first_raw` is this
 // thread's row of the first pass; the caller has stored the RoPE coefficients into sh.cs
 // (RopeCoefficients::store) when `rotate_now`.
-template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS>
+template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS,
+          typename Chunk>
 __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
                                                 NewTokenShared<HEAD_DIM, GROUP>& sh,
-                                                uint4 first_raw, int b, const HeadChunk& hc,
+                                                uint4 first_raw, int b, const Chunk& hc,
                                                 int pos, bool rotate_now, bool writer) {
   const int kvh = hc.kvh;
   constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;

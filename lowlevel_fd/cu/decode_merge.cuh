@@ -11,10 +11,10 @@ constexpr int kMaxSplits = 128;  // planner.MAX_SPLITS
 // `scratch` is shared memory for (kMaxSplits + 2) * GROUP floats. The split LSEs are read all at
 // once, and the outputs accumulate 8 splits per step with their loads in flight together: a
 // loop of dependent L2 reads would cost a round trip per split. Fixed order: reproducible.
-template <int HEAD_DIM, int GROUP, typename QT>
-__device__ void merge_splits(const DecodeParams& p, int b, const HeadChunk& hc, int active,
+template <int HEAD_DIM, int GROUP, typename QT, typename Chunk>
+__device__ void merge_splits(const DecodeParams& p, int b, const Chunk& hc, int active,
                              float* scratch) {
-  const int64_t base = (static_cast<int64_t>(b) * hc.slots + hc.slot) * p.num_splits;
+  const int64_t base = (static_cast<int64_t>(b) * hc.slots(p) + hc.slot) * p.num_splits;
   const float* lse_in = p.partial_lse + base * GROUP;
   const float4* out_in = reinterpret_cast<const float4*>(p.partial_out + base * GROUP * HEAD_DIM);
   float* weight = scratch;                            // [active][GROUP]
@@ -96,15 +96,15 @@ struct Quads {
   __device__ __forceinline__ bool writes_lse() const { return g == 0 && mb == 0; }
 
   // out[b, the chunk's heads head0 and head0 + 1, d and d + 1], for those the chunk has.
-  template <typename QT>
-  __device__ __forceinline__ void store_output(const DecodeParams& p, int b, const HeadChunk& hc,
+  template <typename QT, typename Chunk>
+  __device__ __forceinline__ void store_output(const DecodeParams& p, int b, const Chunk& hc,
                                                float4 value) const {
     uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
                     (hc.first + head0) * p.out_head_stride + d;
-    if (head0 >= hc.heads) return;
+    if (!hc.has(head0)) return;
     dst[0] = from_float<QT>(value.x);
     dst[1] = from_float<QT>(value.z);
-    if (kHeads == 2 && head0 + 1 < hc.heads) {
+    if (kHeads == 2 && hc.has(head0 + 1)) {
       dst[p.out_head_stride] = from_float<QT>(value.y);
       dst[p.out_head_stride + 1] = from_float<QT>(value.w);
     }
@@ -119,8 +119,8 @@ constexpr int kMaxClusterSplits = 16;  // planner.MAX_CLUSTER (non-portable sm_9
 // leader has waited for all of them. Each thread merges quads: the LSEs of every slot are
 // loaded at once, then the quads, so the shared-memory loads overlap. Fixed order over ranks:
 // reproducible.
-template <int HEAD_DIM, int GROUP, typename QT>
-__device__ void leader_merge(const DecodeParams& p, int b, const HeadChunk& hc, int active,
+template <int HEAD_DIM, int GROUP, typename QT, typename Chunk>
+__device__ void leader_merge(const DecodeParams& p, int b, const Chunk& hc, int active,
                              const float* slots) {
   using Q = Quads<HEAD_DIM, GROUP>;
   for (int idx = threadIdx.x; idx < Q::kCompact; idx += blockDim.x) {
@@ -159,7 +159,7 @@ __device__ void leader_merge(const DecodeParams& p, int b, const HeadChunk& hc, 
     if (p.lse != nullptr && quad.writes_lse())
 #pragma unroll
       for (int col = 0; col < Q::kHeads; ++col)
-        if (quad.head0 + col < hc.heads)
+        if (hc.has(quad.head0 + col))
           p.lse[hc.row(p, b, quad.head0 + col)] = (best[col] + __log2f(total[col])) * kLn2;
   }
 }

@@ -151,7 +151,7 @@ class DecodePlan:
         self._split_append = kernels[1].prepare(launch_config, p) if append else None
         self._combine = None
         if config.num_splits > 1 and not config.fused_merge and not config.cluster:
-            combine = CombineVariant(self.head_dim, self.cta_heads, self.dtype)
+            combine = CombineVariant(self.head_dim, self.cta_heads, self.dtype, variant.masked)
             self._combine = load_kernels(combine, self.device)[0].prepare(
                 LaunchConfig((slots, batch), combine.threads, combine.shared_bytes), p)
         self._advance = load_kernels(LENGTHS, self.device)[0]

@@ -30,6 +30,19 @@ def head_chunks(group_size: int, cta_heads: int = 0) -> tuple[int, int, int]:
     return cta_heads, chunks, -(-group_size // chunks)
 
 
+def is_masked(cta_heads: int, chunks: int, chunk_heads: int) -> bool:
+    """Whether CTAs of ``cta_heads`` serve the group other than one to one: the MASKED kernels
+    read the group from run-time fields; exact ones know it at compile time (~2% faster at B=1,
+    PERF_NOTES v15)."""
+    return chunks > 1 or chunk_heads != cta_heads
+
+
+# The kernels the planner picks for a group that is not a power of two up to 16: heads masked
+# in CTAs of 4, 8 or 16, or chunks of 16. (1 and 2 are never masked by the planner; a
+# TileConfig.cta_heads that needs them compiles on demand.)
+MASKED_CTA_HEADS = (4, 8, 16)
+
+
 def default_stages(head_dim: int) -> int:
     """Tiles in flight per warp. Two (one loading while one is consumed) measured best at
     head_dim 128: deeper pipelines cost occupancy and did not stream faster (PERF_NOTES.md)."""
@@ -50,6 +63,7 @@ class DecodeVariant:
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
     tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
     append: bool = False  # the fused append of DecodePlan.append_and_run
+    masked: bool = False  # a group other than cta_heads (masked heads or chunks): is_masked()
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -59,8 +73,10 @@ class DecodeVariant:
     def planned(cls, spec: KVCacheSpec, group_size: int, dtype: str, config: TileConfig, *,
                 append: bool = False) -> "DecodeVariant":
         """The variant that a plan for this query group with this TileConfig launches."""
-        return cls(spec.head_dim, head_chunks(group_size, config.cta_heads)[0], dtype, spec.scale_mode, spec.scale_dtype,
-                   config.num_warps, config.stages, config.cluster, config.tiles, append)
+        cta_heads, chunks, chunk_heads = head_chunks(group_size, config.cta_heads)
+        return cls(spec.head_dim, cta_heads, dtype, spec.scale_mode, spec.scale_dtype,
+                   config.num_warps, config.stages, config.cluster, config.tiles, append,
+                   is_masked(cta_heads, chunks, chunk_heads))
 
     @property
     def stage_bytes(self) -> int:
@@ -74,7 +90,7 @@ class DecodeVariant:
                 f"{support.SCALE_MODE_IDS[self.scale_mode]}, {support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, {self.stages}, "
                 f"{support.cxx_bool(self.cluster)}, {self.tiles}, "
-                f"{support.cxx_bool(self.append)}>")
+                f"{support.cxx_bool(self.append)}, {support.cxx_bool(self.masked)}>")
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
@@ -124,6 +140,7 @@ class CombineVariant:
     head_dim: int
     cta_heads: int
     dtype: str = "float16"
+    masked: bool = False
 
     threads = 128
 
@@ -135,7 +152,7 @@ class CombineVariant:
     @property
     def kernel_names(self) -> tuple[str, ...]:
         return (f"llfd::decode_combine<{self.head_dim}, {self.cta_heads}, "
-                f"{support.CXX_DTYPES[self.dtype]}>",)
+                f"{support.CXX_DTYPES[self.dtype]}, {support.cxx_bool(self.masked)}>",)
 
     def compile(self, arch: str) -> CompiledProgram:
         return compile_cached("decode_combine.cu", CompileOptions(arch=arch), self.kernel_names)
@@ -159,19 +176,21 @@ Program = Union[DecodeVariant, CombineVariant, LengthsProgram]
 def shipped_variants(num_warps: tuple[int, ...] = (DEFAULT_WARPS,)) -> Iterator[Program]:
     """Every program the planner can pick (the CI compiles all of them): ``num_warps`` warps,
     one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
-    planner rule 7 (head_dim 128, up to 8 heads per CTA); each also with the fused append; the merges
-    and the length bump. Other two-tile variants compile on demand."""
+    planner rule 7 (head_dim 128, up to 8 heads per CTA); each also with the fused append, and
+    each exact and (MASKED_CTA_HEADS) masked; the merges and the length bump. Other two-tile
+    variants compile on demand."""
     for dim, heads, dtype in itertools.product(support.HEAD_DIMS, CTA_HEADS, support.DTYPES):
         two_tiles = dim in TWO_TILE_HEAD_DIMS and heads <= 8
-        for mode in support.SCALE_MODES:
-            for scale_dtype in support.SCALE_DTYPES[mode]:
-                for warps, append in itertools.product(num_warps, (False, True)):
-                    for cluster in (False, True):
-                        yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
-                                            num_warps=warps, cluster=cluster, append=append)
-                    if two_tiles:
-                        yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
-                                            num_warps=warps, cluster=True, tiles=2,
-                                            append=append)
-        yield CombineVariant(dim, heads, dtype)
+        for masked in (False, True) if heads in MASKED_CTA_HEADS else (False,):
+            for mode in support.SCALE_MODES:
+                for scale_dtype in support.SCALE_DTYPES[mode]:
+                    for warps, append in itertools.product(num_warps, (False, True)):
+                        common = dict(num_warps=warps, append=append, masked=masked)
+                        for cluster in (False, True):
+                            yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
+                                                cluster=cluster, **common)
+                        if two_tiles:
+                            yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
+                                                cluster=True, tiles=2, **common)
+            yield CombineVariant(dim, heads, dtype, masked)
     yield LENGTHS
