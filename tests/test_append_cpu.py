@@ -146,11 +146,13 @@ def test_prompt_ref_matches_token_by_token_appends(rng, prompt_layout):
     ({"rope": "llama"}, ValueError, "rope: expected one of [None, 'neox', 'gptj'], got 'llama'"),
     ({"num_q_heads": 12}, ValueError, "num_q_heads: expected a multiple of num_kv_heads=8, "
                                       "got 12"),
-    ({"num_q_heads": 256}, ValueError, "group size (num_q_heads // num_kv_heads): expected one "
-                                       "of [1, 2, 4, 8, 16], got 32"),
-    # Groups follow the support matrix of every plan (AppendPlan once took any of 1..16).
-    ({"num_q_heads": 24}, ValueError, "group size (num_q_heads // num_kv_heads): expected one "
-                                      "of [1, 2, 4, 8, 16], got 3"),
+    ({"num_q_heads": 1033}, ValueError, "num_q_heads: expected a multiple of num_kv_heads=8, "
+                                        "got 1033"),
+    # Groups follow the support matrix of every plan: any of 1..128.
+    ({"num_q_heads": 1032}, ValueError, "group size (num_q_heads // num_kv_heads): expected "
+                                        "1..128, got 129"),
+    ({"num_q_heads": 2048}, ValueError, "group size (num_q_heads // num_kv_heads): expected "
+                                        "1..128, got 256"),
     ({"num_kv_heads": 0}, ValueError, "num_kv_heads: expected an int in [1, 2147483648), got 0"),
     ({"max_batch": 0}, ValueError, "max_batch: expected an int in [1, 2147483648), got 0"),
     ({"rope_theta": 0.0}, ValueError, "rope_theta: expected a finite base > 1, got 0.0"),
@@ -163,7 +165,7 @@ def test_append_plan_rejects_bad_configuration(kwargs, error, message):
                           device=DEVICE, **args)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 71, 128])
 def test_append_plan_accepts_the_supported_groups(group):
     plan = AppendPlan(KVCacheSpec(2, D), 2 * group, max_batch=B, device=DEVICE)
     assert (plan.group_size, plan.num_q_heads) == (group, 2 * group)

@@ -252,7 +252,7 @@ def test_prepared_run_launches_bitwise_what_run_launches(rng, stream):
         prepared.launch(stream)
 
 
-@pytest.mark.parametrize("group", [1, 8, 16])  # the support matrix's groups (5 is not one)
+@pytest.mark.parametrize("group", [1, 5, 16, 24])  # exact, masked and chunked groups
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_q_rope_for_every_group_size(rng, stream, head_dim, group):
     """Up to 16 query heads per KV head: more rows than one round of the CTA holds."""

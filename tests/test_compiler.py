@@ -37,10 +37,13 @@ DECODE_SAMPLE = (
     DecodeVariant(256, 16, "bfloat16", "token", "float16"),
     DecodeVariant(128, 8, "bfloat16", "head"),
     DecodeVariant(128, 4, "float16", "token", num_warps=8, cluster=True, tiles=2, append=True),
+    # Masked kernels, for a group other than the CTA's heads: 3 of 4 heads, 24 as 2 x 12 of 16.
+    DecodeVariant(128, 4, "bfloat16", "token", "float16", cluster=True, masked=True),
+    DecodeVariant(128, 16, "float16", "token", append=True, masked=True),
 )
-# Their merges (one program per head_dim, group and dtype) and the length bump, each a program
-# of its own.
-COMBINE_SAMPLE = tuple(dict.fromkeys(CombineVariant(v.head_dim, v.group_size, v.dtype)
+# Their merges (one program per head_dim, heads per CTA, dtype and masked) and the length bump,
+# each a program of its own.
+COMBINE_SAMPLE = tuple(dict.fromkeys(CombineVariant(v.head_dim, v.cta_heads, v.dtype, v.masked)
                                      for v in DECODE_SAMPLE))
 PROGRAM_SAMPLE = DECODE_SAMPLE + COMBINE_SAMPLE + (LENGTHS,)
 CORRUPTIONS = {
@@ -452,7 +455,10 @@ DECODE_PARAMS_LAYOUT = (
        ("k_new", ctypes.c_uint64, 216), ("v_new", ctypes.c_uint64, 224),
        ("cos_sin", ctypes.c_uint64, 232),
        ("k_new_batch_stride", ctypes.c_int64, 240), ("k_new_head_stride", ctypes.c_int64, 248),
-       ("v_new_batch_stride", ctypes.c_int64, 256), ("v_new_head_stride", ctypes.c_int64, 264)])
+       ("v_new_batch_stride", ctypes.c_int64, 256), ("v_new_head_stride", ctypes.c_int64, 264),
+       # the query heads: the group, served by head_chunks CTAs of chunk_heads heads each
+       ("group_size", ctypes.c_int32, 272), ("head_chunks", ctypes.c_int32, 276),
+       ("chunk_heads", ctypes.c_int32, 280)])
 
 
 def test_decode_params_layout_field_by_field():
@@ -460,7 +466,7 @@ def test_decode_params_layout_field_by_field():
         (name, ctype) for name, ctype, _ in DECODE_PARAMS_LAYOUT]
     assert {name: getattr(DecodeParams, name).offset for name, _ in DecodeParams._fields_} == {
         name: offset for name, _, offset in DECODE_PARAMS_LAYOUT}
-    assert ctypes.sizeof(DecodeParams) == 272
+    assert ctypes.sizeof(DecodeParams) == 288  # 284 bytes of fields, padded to the 8 of int64
 
 
 def test_decode_params_match_the_cuda_struct_field_by_field():

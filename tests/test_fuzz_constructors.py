@@ -16,7 +16,7 @@ from fuzz_support import (ALL_DTYPES, DTYPES, EXAMPLES, LAYOUTS, ROPES, SCALES, 
                           assert_rejected, fuzz)
 from fuzz_support import nothing_launches  # noqa: F401  (autouse: nothing may launch)
 from lowlevel_fd import AppendPlan, DecodePlan, DecodeStep, KVCacheSpec, PromptQuantizer
-from lowlevel_fd.core.support import CACHE_DTYPES, GROUP_SIZES, HEAD_DIMS
+from lowlevel_fd.core.support import CACHE_DTYPES, GROUP_SIZES, HEAD_DIMS, MAX_GROUP
 from lowlevel_fd.driver import dtypes
 from stand_ins import DEVICE
 
@@ -69,16 +69,29 @@ def wrong_int(low: int, high: int) -> st.SearchStrategy:
 
 
 @st.composite
-def heads(draw: st.DrawFn, max_group: int, groups: tuple[int, ...]
+def heads(draw: st.DrawFn, max_group: int = MAX_GROUP
           ) -> tuple[str, dict[str, Any], tuple[str, ...]]:
-    """num_q_heads/num_kv_heads that are not a multiple, not a supported group, or not ints."""
+    """num_q_heads/num_kv_heads that are not a multiple, a group past ``max_group`` (any group
+    from 1 to it is supported), or not ints of at least 1. The kind decides who the message
+    must be about: the multiple names num_q_heads, the group opens with "group size"."""
+    kind = draw(st.sampled_from(["multiple", "group", "value"]))
+    if kind == "multiple":  # a remainder of 1..kv_heads-1 heads, past any group
+        kv_heads = draw(st.integers(2, 40))
+        q_heads = (kv_heads * draw(st.integers(0, 2 * max_group))
+                   + draw(st.integers(1, kv_heads - 1)))
+        return kind, {"num_q_heads": q_heads, "num_kv_heads": kv_heads}, ("num_q_heads",)
+    if kind == "group":  # a whole multiple, one group too many heads or far more
+        kv_heads = draw(st.integers(1, 40))
+        group = draw(st.just(max_group + 1) | st.integers(max_group + 1, 40 * max_group))
+        return kind, {"num_q_heads": kv_heads * group, "num_kv_heads": kv_heads}, (
+            "group size",)
     q_heads = draw(wrong_int(-8, 40 * max_group))
     kv_heads = draw(wrong_int(-4, 40))
     valid = (type(q_heads) is int and type(kv_heads) is int and kv_heads >= 1 and q_heads >= 1
-             and q_heads % kv_heads == 0 and q_heads // kv_heads in groups)
-    if valid:  # rarely drawn: push the group size past the largest supported one
-        q_heads = kv_heads * (max_group + 1)
-    return "heads", {"num_q_heads": q_heads, "num_kv_heads": kv_heads}, (
+             and q_heads % kv_heads == 0 and q_heads // kv_heads <= max_group)
+    if valid:  # often drawn: push the group size past the largest supported one
+        q_heads = kv_heads * draw(st.integers(max_group + 1, 4 * max_group))
+    return kind, {"num_q_heads": q_heads, "num_kv_heads": kv_heads}, (
         "num_q_heads", "num_kv_heads")
 
 
@@ -156,12 +169,13 @@ def decode_constructor_cases(draw: st.DrawFn) -> Broken:
              "max_seq_len": draw(st.integers(1, 2**31 - 1)),
              "dtype": draw(dtype_forms(DTYPES)),
              "sm_scale": draw(st.none() | st.floats(1e-3, 10.0)), "device": DEVICE}
-    plan = DecodePlan.create(**valid)  # the starting point is valid
+    plan = DecodePlan.create(**valid)  # the starting point is valid: any group 1..128
+    assert plan.group_size == group
     assert (type(plan.dtype), type(plan.cache.scale_dtype)) == (str, str), "names key variants"
     field = draw(st.sampled_from(["heads", "max_batch", "max_seq_len", "dtype", "sm_scale",
                                   "device"] + CACHE_FIELDS))
     if field == "heads":
-        kind, changes, names = draw(heads(16, GROUP_SIZES))
+        kind, changes, names = draw(heads())
         return Broken(field, kind, valid | changes, names)
     if field in CACHE_FIELDS:
         return Broken(field, "value", valid | {field: cache_field(draw, valid, field)}, (field,))
@@ -212,12 +226,15 @@ def stores_plain_names(runner: Any) -> None:
 @st.composite
 def append_constructor_cases(draw: st.DrawFn) -> Broken:
     valid = runner_configuration(draw)
-    # Groups follow the support matrix (AppendPlan once took any of 1..16).
-    valid["num_q_heads"] = valid["num_kv_heads"] * draw(st.sampled_from(GROUP_SIZES))
-    stores_plain_names(AppendPlan.create(**valid))
+    # Groups follow the support matrix of every plan: any of 1..128.
+    group = draw(st.sampled_from(GROUP_SIZES))
+    valid["num_q_heads"] = valid["num_kv_heads"] * group
+    plan = AppendPlan.create(**valid)
+    stores_plain_names(plan)
+    assert plan.group_size == group
     field = draw(st.sampled_from(["heads"] + RUNNER_FIELDS))
     if field == "heads":
-        kind, changes, names = draw(heads(16, GROUP_SIZES))
+        kind, changes, names = draw(heads())
         return Broken(field, kind, valid | changes, names)
     return Broken(field, "value", valid | {field: runner_field(draw, valid, field)}, (field,))
 
@@ -259,12 +276,13 @@ def step_constructor_cases(draw: st.DrawFn) -> Broken:
              "max_batch": draw(st.integers(1, 512)),
              "max_seq_len": draw(st.integers(1, 2**31 - 1)), "dtype": draw(dtype_forms(DTYPES)),
              "fused": draw(st.booleans()), "early_reads": draw(st.booleans()), "device": DEVICE}
-    step = DecodeStep.create(**valid)  # the starting point is valid
+    step = DecodeStep.create(**valid)  # the starting point is valid: any group 1..128
     assert (step.append is None) == valid["fused"]
+    assert step.attention.group_size == group
     field = draw(st.sampled_from(["num_layers", "heads", "fused", "early_reads"]
                                  + RUNNER_FIELDS))
     if field == "heads":
-        kind, changes, names = draw(heads(16, GROUP_SIZES))
+        kind, changes, names = draw(heads())
         return Broken(field, kind, valid | changes, names)
     if field == "num_layers":
         value = draw(wrong_int(-2**40, 0) | st.integers(2**31, 2**62))

@@ -8,12 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowlevel_fd.core.support import DTYPES, GROUP_SIZES, HEAD_DIMS, WARP_COUNTS
+from lowlevel_fd.core.support import DTYPES, HEAD_DIMS, WARP_COUNTS
 from lowlevel_fd.decode import CombineVariant, DecodeVariant, shipped_variants
 from lowlevel_fd.decode.planner import (DEFAULT_WARPS, MAX_CLUSTER, MAX_GLOBAL_SPLITS,
                                         MAX_PORTABLE_SPLITS, MAX_SPLITS, SPLIT_TOKENS, TileConfig,
                                         Workload, choose, default_min_split_tokens,
                                         workspace_pairs_bound)
+from lowlevel_fd.decode.variants import CTA_HEADS, MASKED_CTA_HEADS
 from lowlevel_fd.decode.variants import LENGTHS as LENGTHS_PROGRAM
 
 H100_SMS, A100_SMS = 132, 108
@@ -141,7 +142,7 @@ def test_workspace_bound_covers_every_batch_and_length(sm_count, num_kv_heads, m
 @settings(max_examples=300, deadline=None)
 @given(max_batch=st.integers(1, 512), batch_fraction=st.floats(0, 1),
        num_kv_heads=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), sm_count=st.integers(1, 200),
-       group_size=st.sampled_from([1, 2, 4, 8, 16]), max_len=st.integers(0, 131072),
+       group_size=st.sampled_from(CTA_HEADS), max_len=st.integers(0, 131072),
        num_warps=st.sampled_from([2, 4, 8]), clusters=st.booleans())
 def test_workspace_bound_property(max_batch, batch_fraction, num_kv_heads, sm_count, group_size,
                                   max_len, num_warps, clusters):
@@ -155,18 +156,25 @@ def test_workspace_bound_property(max_batch, batch_fraction, num_kv_heads, sm_co
 
 # -- variants ----------------------------------------------------------------------------------
 def test_variant_names_are_the_template_instantiations():
-    # <head_dim, group, warps, scale mode id, q type, scale type, then pipeline options>
+    # <head_dim, heads per CTA, warps, scale mode id, q type, scale type, stages, cluster,
+    #  tiles, append, masked>
     variant = DecodeVariant(128, 4, "float16", "token", "float32", num_warps=4)
-    assert variant.split_kernel.startswith("llfd::decode_split<128, 4, 4, 2, llfd::f16, ")
+    assert variant.split_kernel == ("llfd::decode_split<128, 4, 4, 2, llfd::f16, float, 2, "
+                                    "false, 1, false, false>")
     assert variant.kernel_names == (variant.split_kernel,), "the split kernel alone"
-    # The merge is a program of its own, one per (head_dim, group, dtype).
+    # The merge is a program of its own, one per (head_dim, heads per CTA, dtype, masked).
     assert CombineVariant(128, 4, "float16").kernel_names == (
-        "llfd::decode_combine<128, 4, llfd::f16>",)
+        "llfd::decode_combine<128, 4, llfd::f16, false>",)
     bf16 = DecodeVariant(64, 8, "bfloat16", "token", "float16", num_warps=8)
     assert bf16.split_kernel.startswith("llfd::decode_split<64, 8, 8, 2, llfd::bf16, ")
     assert bf16.kernel_names == (bf16.split_kernel,)
     assert CombineVariant(64, 8, "bfloat16").kernel_names == (
-        "llfd::decode_combine<64, 8, llfd::bf16>",)
+        "llfd::decode_combine<64, 8, llfd::bf16, false>",)
+    # A group other than the CTA's heads (masked heads or head chunks): its own instantiations.
+    masked = DecodeVariant(64, 8, "bfloat16", "token", "float16", num_warps=8, masked=True)
+    assert masked.split_kernel == bf16.split_kernel[:-len("false>")] + "true>"
+    assert CombineVariant(64, 8, "bfloat16", True).kernel_names == (
+        "llfd::decode_combine<64, 8, llfd::bf16, true>",)
     fp32_scales = DecodeVariant(64, 8, "bfloat16", "token", "float32", num_warps=8)
     assert bf16.split_kernel != fp32_scales.split_kernel
     # So is the length bump of the fused step: one kernel for every variant.
@@ -198,7 +206,7 @@ ALL_WARP_VARIANTS = [v for v in shipped_variants(WARP_COUNTS) if isinstance(v, D
 def test_variant_launch_shape_fits_the_gpus(variant):
     assert variant.threads == 32 * variant.num_warps
     # The shared memory holds each warp's fp32 partial outputs for the in-CTA merge.
-    partials = variant.num_warps * variant.group_size * variant.head_dim * 4
+    partials = variant.num_warps * variant.cta_heads * variant.head_dim * 4
     assert variant.dynamic_shared_bytes >= partials
     assert variant.dynamic_shared_bytes <= SM90_SHARED_OPTIN
     if variant.num_warps == DEFAULT_WARPS:  # the default the plan picks must also run on sm_80
@@ -214,28 +222,33 @@ def test_shipped_variants_cover_the_support_matrix_once(num_warps):
     assert len(set(kernels)) == len(kernels)
     variants = [v for v in programs if isinstance(v, DecodeVariant)]
     assert all(v.kernel_names == (v.split_kernel,) for v in variants)
-    # The merges, one per (head_dim, group, dtype), and the length bump, once.
+    # The merges, one per (head_dim, heads per CTA, dtype), exact and, for MASKED_CTA_HEADS,
+    # masked, and the length bump, once: the programs are per kernel GROUP (CTA_HEADS), never
+    # per query group (1..128).
+    assert CTA_HEADS == (1, 2, 4, 8, 16) and MASKED_CTA_HEADS == (4, 8, 16)
+    kinds = [(g, False) for g in CTA_HEADS] + [(g, True) for g in MASKED_CTA_HEADS]
     combines = [v for v in programs if isinstance(v, CombineVariant)]
-    assert sorted((c.head_dim, c.group_size, c.dtype) for c in combines) == sorted(
-        itertools.product(HEAD_DIMS, GROUP_SIZES, DTYPES))
+    assert sorted((c.head_dim, c.cta_heads, c.dtype, c.masked) for c in combines) == sorted(
+        (d, g, q, m) for d, (g, m), q in itertools.product(HEAD_DIMS, kinds, DTYPES))
+    assert len(combines) == len(HEAD_DIMS) * len(kinds) * len(DTYPES)
     assert [v for v in programs if v is LENGTHS_PROGRAM] == [LENGTHS_PROGRAM]
     assert len(programs) == len(variants) + len(combines) + 1
     assert all(v.scale_dtype == "float32" for v in variants if v.scale_mode != "token")
-    # Per head_dim, group, q dtype and warp count: tensor, head, token fp32, token fp16 scales,
-    # each with a cluster and a global merge.
-    single = {(v.head_dim, v.group_size, v.dtype, v.scale_mode, v.scale_dtype, v.num_warps,
-               v.cluster) for v in variants if v.tiles == 1}
+    # Per head_dim, heads per CTA (exact or masked), q dtype and warp count: tensor, head,
+    # token fp32, token fp16 scales, each with a cluster and a global merge.
+    single = {(v.head_dim, v.cta_heads, v.masked, v.dtype, v.scale_mode, v.scale_dtype,
+               v.num_warps, v.cluster) for v in variants if v.tiles == 1}
     modes = (("tensor", "float32"), ("head", "float32"), ("token", "float32"),
              ("token", "float16"))
-    expected = {(d, g, q, mode, sd, w, cluster)
-                for d, g, q, w in itertools.product(HEAD_DIMS, GROUP_SIZES, DTYPES, num_warps)
+    expected = {(d, g, m, q, mode, sd, w, cluster)
+                for d, (g, m), q, w in itertools.product(HEAD_DIMS, kinds, DTYPES, num_warps)
                 for mode, sd in modes for cluster in (False, True)}
     assert single == expected
-    # Planner rule 7's two-tile variants: head_dim 128, groups up to 8, cluster merge.
-    double = {(v.head_dim, v.group_size, v.dtype, v.scale_mode, v.scale_dtype, v.num_warps,
-               v.cluster) for v in variants if v.tiles == 2}
-    assert double == {(128, g, q, mode, sd, w, True) for (_, g, q, mode, sd, w, _) in expected
-                      if g <= 8}
+    # Planner rule 7's two-tile variants: head_dim 128, up to 8 heads per CTA, cluster merge.
+    double = {(v.head_dim, v.cta_heads, v.masked, v.dtype, v.scale_mode, v.scale_dtype,
+               v.num_warps, v.cluster) for v in variants if v.tiles == 2}
+    assert double == {(128, g, m, q, mode, sd, w, True)
+                      for (_, g, m, q, mode, sd, w, _) in expected if g <= 8}
     assert {v.tiles for v in variants} == {1, 2}
     # Each split variant also with the fused append of append_and_run.
     assert {replace(v, append=not v.append) for v in variants} == set(variants)

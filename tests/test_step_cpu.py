@@ -71,7 +71,12 @@ SEQ_LENS = fake((B,), "int32")
     ({"num_layers": True}, TypeError, r"^num_layers: expected an int, got bool True$"),
     ({"num_q_heads": 5}, ValueError,
      r"^num_q_heads: expected a multiple of num_kv_heads=2, got 5$"),
-    ({"num_q_heads": 6}, ValueError, r"group size \(num_q_heads // num_kv_heads\): .*got 3"),
+    ({"num_q_heads": 258}, ValueError,
+     r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, got 129$"),
+    ({"num_q_heads": 512}, ValueError,
+     r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, got 256$"),
+    ({"num_q_heads": 257}, ValueError,
+     r"^num_q_heads: expected a multiple of num_kv_heads=2, got 257$"),
     ({"head_dim": 96}, ValueError, r"head_dim: expected one of \[64, 128, 256\], got 96"),
     ({"rope": "alibi"}, ValueError,
      r"rope: expected one of \[None, 'neox', 'gptj'\], got 'alibi'"),
@@ -86,6 +91,15 @@ SEQ_LENS = fake((B,), "int32")
 def test_constructor_rejects_unsupported_configurations(overrides, error, message, fused):
     with pytest.raises(error, match=message):
         make_step(fused=fused, **overrides)
+
+
+@pytest.mark.parametrize("group", [1, 3, 5, 7, 12, 16, 24, 71, 128])
+@pytest.mark.parametrize("fused", [True, False])
+def test_constructor_accepts_every_group_up_to_128(group, fused):
+    step = make_step(num_q_heads=HKV * group, fused=fused)
+    assert step.attention.group_size == group and step.attention.num_q_heads == HKV * group
+    if not fused:
+        assert step.append.group_size == group and step.append.num_q_heads == HKV * group
 
 
 def test_one_plan_of_each_kind_is_shared_by_the_layers():

@@ -143,7 +143,10 @@ def test_spec_scale_storage_and_token_scales(mode, scale_dtype, storage):
 
 
 @pytest.mark.parametrize("num_kv_heads, num_q_heads, group", [
-    (1, 1, 1), (2, 4, 2), (4, 16, 4), (8, 64, 8), (2, 32, 16), (3, 48, 16)])
+    (1, 1, 1), (2, 4, 2), (4, 16, 4), (8, 64, 8), (2, 32, 16), (3, 48, 16),
+    # Any group 1..128, not only the powers of two: the kernels serve it in head chunks.
+    (8, 24, 3), (4, 20, 5), (2, 14, 7), (1, 12, 12), (2, 48, 24), (3, 213, 71), (1, 128, 128),
+    (2, 256, 128)])
 def test_spec_group_size(num_kv_heads, num_q_heads, group):
     size = KVCacheSpec(num_kv_heads, D).group_size(np.int64(num_q_heads))
     assert size == group and type(size) is int
@@ -152,10 +155,16 @@ def test_spec_group_size(num_kv_heads, num_q_heads, group):
 @pytest.mark.parametrize("num_kv_heads, num_q_heads, error, message", [
     (4, 10, ValueError, r"^num_q_heads: expected a multiple of num_kv_heads=4, got 10$"),
     (4, 2, ValueError, r"^num_q_heads: expected a multiple of num_kv_heads=4, got 2$"),
-    (8, 24, ValueError, r"^group size \(num_q_heads // num_kv_heads\): expected one of "
-                        r"\[1, 2, 4, 8, 16\], got 3$"),
-    (2, 64, ValueError, r"^group size \(num_q_heads // num_kv_heads\): .*got 32$"),
-    (1, 12, ValueError, r"^group size \(num_q_heads // num_kv_heads\): .*got 12$"),
+    (8, 36, ValueError, r"^num_q_heads: expected a multiple of num_kv_heads=8, got 36$"),
+    (1, 129, ValueError, r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, "
+                         r"got 129$"),
+    (2, 258, ValueError, r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, "
+                         r"got 129$"),
+    (2, 512, ValueError, r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, "
+                         r"got 256$"),
+    (3, 387, ValueError, r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, "
+                         r"got 129$"),
+    (2, 257, ValueError, r"^num_q_heads: expected a multiple of num_kv_heads=2, got 257$"),
     (4, 0, ValueError, r"^num_q_heads: expected an int in \[1, 2147483648\), got 0$"),
     (4, -8, ValueError, r"^num_q_heads: expected an int in \[1, 2147483648\), got -8$"),
     (4, 8.0, TypeError, r"^num_q_heads: expected an int, got float 8.0$"),
@@ -270,9 +279,11 @@ def test_create_reports_the_spec_messages(create, options, error, message):
 # -- the DecodePlan constructor ----------------------------------------------------------------
 @pytest.mark.parametrize("overrides, error", [
     ({"head_dim": 96}, r"head_dim: expected one of \[64, 128, 256\], got 96"),
-    ({"num_q_heads": 24, "num_kv_heads": 8},
-     r"group size \(num_q_heads // num_kv_heads\): expected one of \[1, 2, 4, 8, 16\], got 3"),
-    ({"num_q_heads": 64, "num_kv_heads": 2}, r"group size .*got 32"),
+    ({"num_q_heads": 258, "num_kv_heads": 2},
+     r"^group size \(num_q_heads // num_kv_heads\): expected 1\.\.128, got 129$"),
+    ({"num_q_heads": 1024, "num_kv_heads": 4}, r"^group size .*expected 1\.\.128, got 256$"),
+    ({"num_q_heads": 36, "num_kv_heads": 8},
+     r"^num_q_heads: expected a multiple of num_kv_heads=8, got 36$"),
     ({"num_q_heads": 10, "num_kv_heads": 4},
      r"num_q_heads: expected a multiple of num_kv_heads=4, got 10"),
     ({"num_kv_heads": 0}, r"^num_kv_heads: expected an int in \[1, 2147483648\), got 0$"),
@@ -301,6 +312,15 @@ def test_constructor_accepts_the_support_matrix_and_defaults_sm_scale():
     assert plan.group_size == 16 and plan.device is DEVICE and plan.dtype == "bfloat16"
     assert plan.sm_scale == pytest.approx(64 ** -0.5)
     assert make_plan(sm_scale=0.5).sm_scale == 0.5
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, group", [
+    (24, 8, 3), (20, 4, 5), (14, 2, 7), (12, 1, 12), (48, 2, 24), (213, 3, 71), (128, 1, 128),
+    (256, 2, 128)])
+def test_constructor_accepts_every_group_up_to_128(num_q_heads, num_kv_heads, group):
+    plan = make_plan(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    assert (plan.num_q_heads, plan.num_kv_heads, plan.group_size) == (
+        num_q_heads, num_kv_heads, group)
 
 
 def test_error_flags_take_a_stream_and_read_0_before_the_first_plan():
@@ -529,7 +549,7 @@ def test_strided_views_bind_their_own_strides():
                                                  "v_cache": long_v})
     assert (params.q_batch_stride, params.q_head_stride) == (2 * HQ * D, D)
     assert (params.kv_batch_stride, params.kv_head_stride) == (HKV * 1024 * D, 1024 * D)
-    assert ctypes.sizeof(params) == 272
+    assert ctypes.sizeof(params) == 288
 
 
 # -- run(): the validated-arguments memo -------------------------------------------------------

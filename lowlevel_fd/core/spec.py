@@ -64,7 +64,9 @@ class KVCacheSpec:
             raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads="
                              f"{self.num_kv_heads}, got {num_q_heads}")
         group = num_q_heads // self.num_kv_heads
-        check.choice("group size (num_q_heads // num_kv_heads)", group, support.GROUP_SIZES)
+        if group > support.MAX_GROUP:
+            raise ValueError(f"group size (num_q_heads // num_kv_heads): expected 1.."
+                             f"{support.MAX_GROUP}, got {group}")
         return group
 
 

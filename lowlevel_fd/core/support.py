@@ -7,8 +7,10 @@ ids must equal the enums of ``cu/kv_types.cuh`` (a CPU test parses that header).
 from __future__ import annotations
 
 HEAD_DIMS = (64, 128, 256)
-# Query heads per KV head. The decode kernel serves a group in head blocks of 8 (the mma's N).
-GROUP_SIZES = (1, 2, 4, 8, 16)
+# Query heads per KV head: any group from 1 to MAX_GROUP (the decode kernels serve a group in
+# CTAs of up to 16 heads, decode.variants.head_chunks).
+MAX_GROUP = 128
+GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 DTYPES = ("float16", "bfloat16")  # q, out and the new K/V rows
 CACHE_DTYPES = ("int8",)
 KV_LAYOUTS = ("bnsh", "bsnh")     # [B, Hkv, S, D] | [B, S, Hkv, D], any 16-byte strides

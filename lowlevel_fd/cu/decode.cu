@@ -32,12 +32,14 @@ namespace llfd {
 // one softmax reduction per 32 tokens (more work in flight per warp when warps are few).
 // APPEND: the fused append of decode_append.cuh (DecodePlan.append_and_run); seq_lens are then
 // the new tokens' positions.
+// MASKED: the query group is not GROUP: fewer heads (the rest masked) or more (chunks of CTAs
+// per KV head), from DecodeParams' group fields at run time (HeadChunk).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES, bool CLUSTER, int TILES, bool APPEND>
+          int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
-  static_assert(GROUP >= 1 && GROUP <= 16, "group size 1..16");
+  static_assert(GROUP >= 1 && GROUP <= 16, "1..16 query heads per CTA");
   static_assert(STAGES >= 2, "at least double buffering");
   constexpr int kBlocks = GROUP > 8 ? 2 : 1;  // head blocks of 8 (the mma's N)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
@@ -51,9 +53,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __shared__ float warp_max[NUM_WARPS][16], warp_sum[NUM_WARPS][16];
   __shared__ int is_last;
 
-  const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  // blockIdx.x: a KV head and a chunk of at most GROUP of its query heads (HeadChunk).
+  const HeadChunk<GROUP, MASKED> hc(p, blockIdx.x);
+  const int kvh = hc.kvh, split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int head0 = kvh * GROUP;
+  const int head0 = hc.first;
   // Programmatic dependent launch: q (and the new token) may come from the previous kernel, so
   // they are read after its completion; the next kernel may launch once this one gets there.
   // With early_reads (fused append only) the lengths, the cache and its scales and the RoPE
@@ -83,7 +87,8 @@ decode_split(const __grid_constant__ DecodeParams p) {
   uint32_t qb[kBlocks][G::kChunks][2];
   float head_scale[kBlocks];
   auto fetch_query = [&](const uint16_t* group, int64_t head_stride) __attribute__((always_inline)) {
-    load_query<HEAD_DIM, GROUP, QT, kBlocks, !APPEND>(qb, head_scale, group, head_stride, g, c);
+    load_query<HEAD_DIM, GROUP, QT, kBlocks, !APPEND>(qb, head_scale, group, head_stride,
+                                                      hc.heads, g, c);
     if constexpr (kQueryInShared) {
       if (warp == 0)
 #pragma unroll
@@ -99,7 +104,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __shared__ typename NewTokenState<APPEND, HEAD_DIM, GROUP>::type fresh;
   uint4 first_raw = make_uint4(0, 0, 0, 0);
   auto load_first_row = [&]() __attribute__((always_inline)) {
-    first_raw = load_new_row<HEAD_DIM, GROUP>(p, b, kvh, threadIdx.x / RowLanes<HEAD_DIM>::kLanes,
+    first_raw = load_new_row<HEAD_DIM, GROUP>(p, b, hc, threadIdx.x / RowLanes<HEAD_DIM>::kLanes,
                                               threadIdx.x % RowLanes<HEAD_DIM>::kLanes);
   };
   if constexpr (APPEND) {
@@ -133,11 +138,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
   if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
     if (early) depend(), flag_position();
     if (split == 0)
-      for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
+      for (int idx = threadIdx.x; idx < hc.heads * HEAD_DIM; idx += blockDim.x) {
         const int row = idx / HEAD_DIM, d = idx % HEAD_DIM;
         static_cast<uint16_t*>(p.out)[b * p.out_batch_stride + (head0 + row) * p.out_head_stride +
                                       d] = 0;
-        if (p.lse != nullptr && d == 0) p.lse[b * p.num_kv_heads * GROUP + head0 + row] = kNegInf;
+        if (p.lse != nullptr && d == 0) p.lse[hc.row(p, b, row)] = kNegInf;
       }
     return;
   }
@@ -197,8 +202,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
       flag_position();
       load_first_row();
     }
+    // Every chunk of the KV head's query heads quantizes the new token; the first writes it.
     stage_new_token<HEAD_DIM, GROUP, SCALE_MODE, QT, ScaleT, NUM_WARPS * 32>(
-        p, fresh, first_raw, b, kvh, pos, appended, has_new);
+        p, fresh, first_raw, b, hc, pos, appended, has_new && hc.chunk == 0);
     fetch_query(&fresh.q[0][0], HEAD_DIM);
   }
   // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the
@@ -383,7 +389,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __syncthreads();
 
   const bool single = active == 1;
-  const int64_t part = ((static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits + split);
+  const int64_t part = (static_cast<int64_t>(b) * hc.slots(p) + hc.slot) * p.num_splits + split;
   // Cluster merge: this CTA's slot in the leader's shared memory and the leader's barrier.
   float* const slots =
       reinterpret_cast<float*>(reinterpret_cast<char*>(smem) + p.cluster_slots_offset);
@@ -452,11 +458,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
           store_cluster_async(my_slot + 4 * (Q::kSlotLse + quad.head0 + col), lse2[col],
                               leader_barrier);
     } else if (single) {
-      quad.template store_output<QT>(p, b, kvh, value);
+      quad.template store_output<QT>(p, b, hc, value);
       if (p.lse != nullptr && quad.writes_lse())
 #pragma unroll
         for (int col = 0; col < Q::kHeads; ++col)
-          p.lse[b * p.num_kv_heads * GROUP + head0 + quad.head0 + col] = lse2[col] * kLn2;
+          if (hc.has(quad.head0 + col)) p.lse[hc.row(p, b, quad.head0 + col)] = lse2[col] * kLn2;
     } else {
       float* dst = p.partial_out + part * GROUP * HEAD_DIM + quad.d;
       *reinterpret_cast<float2*>(dst + quad.head0 * HEAD_DIM) = make_float2(value.x, value.z);
@@ -474,7 +480,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
     if (split != 0) return;
     if (threadIdx.x == 0) mbarrier_expect_bytes(&merge_barrier, active * Q::kSlotBytes);
     mbarrier_wait_cluster(&merge_barrier, 0);
-    leader_merge<HEAD_DIM, GROUP, QT>(p, b, kvh, active, slots);
+    leader_merge<HEAD_DIM, GROUP, QT>(p, b, hc, active, slots);
     return;
   }
   if (single || !p.fused_merge) return;
@@ -483,14 +489,14 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const uint32_t arrived = atomicAdd(p.counters + b * p.num_kv_heads + kvh, 1u);
+    const uint32_t arrived = atomicAdd(p.counters + b * hc.slots(p) + hc.slot, 1u);
     is_last = arrived + 1 == static_cast<uint32_t>(active);
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_splits<HEAD_DIM, GROUP, QT>(p, b, kvh, active, smem);
-  if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch
+  merge_splits<HEAD_DIM, GROUP, QT>(p, b, hc, active, smem);
+  if (threadIdx.x == 0) p.counters[b * hc.slots(p) + hc.slot] = 0;  // ready for the next launch
 }
 
 }  // namespace llfd

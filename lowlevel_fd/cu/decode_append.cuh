@@ -36,20 +36,22 @@ struct NewTokenState { using type = NewTokenShared<HEAD_DIM, GROUP>; };
 template <int HEAD_DIM, int GROUP>
 struct NewTokenState<false, HEAD_DIM, GROUP> { using type = NoNewToken; };
 
-// Row `row` of the staging pass: the query heads 0..GROUP-1, then the new K and V rows.
-template <int HEAD_DIM, int GROUP>
-__device__ __forceinline__ uint4 load_new_row(const DecodeParams& p, int b, int kvh, int row,
-                                              int lane) {
+// Row `row` of the staging pass: the chunk's query heads 0..GROUP-1 (zero past its `heads`),
+// then the new K and V rows of its KV head.
+template <int HEAD_DIM, int GROUP, typename Chunk>
+__device__ __forceinline__ uint4 load_new_row(const DecodeParams& p, int b, const Chunk& hc,
+                                              int row, int lane) {
   const uint16_t* src;
-  if (row < GROUP)
+  if (row < GROUP) {
+    if (!hc.has(row)) return make_uint4(0, 0, 0, 0);
     src = static_cast<const uint16_t*>(p.q) + b * p.q_batch_stride +
-          (kvh * GROUP + row) * p.q_head_stride;
-  else if (row == GROUP)
+          (hc.first + row) * p.q_head_stride;
+  } else if (row == GROUP)
     src = static_cast<const uint16_t*>(p.k_new) + b * p.k_new_batch_stride +
-          kvh * p.k_new_head_stride;
+          hc.kvh * p.k_new_head_stride;
   else if (row == GROUP + 1)
     src = static_cast<const uint16_t*>(p.v_new) + b * p.v_new_batch_stride +
-          kvh * p.v_new_head_stride;
+          hc.kvh * p.v_new_head_stride;
   else
     return make_uint4(0, 0, 0, 0);
   return *reinterpret_cast<const uint4*>(src + 8 * lane);
@@ -97,11 +99,13 @@ struct RopeCoefficients {
 // into the cache when `writer`), fill sh.k, sh.value and sh.k_dequant. `first_raw` is this
 // thread's row of the first pass; the caller has stored the RoPE coefficients into sh.cs
 // (RopeCoefficients::store) when `rotate_now`.
-template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS>
+template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT, int THREADS,
+          typename Chunk>
 __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
                                                 NewTokenShared<HEAD_DIM, GROUP>& sh,
-                                                uint4 first_raw, int b, int kvh, int pos,
-                                                bool rotate_now, bool writer) {
+                                                uint4 first_raw, int b, const Chunk& hc,
+                                                int pos, bool rotate_now, bool writer) {
+  const int kvh = hc.kvh;
   constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;
   constexpr int kRows = GROUP + 2;
   const int lane = threadIdx.x % kLanes, slot = threadIdx.x / kLanes;
@@ -114,7 +118,7 @@ __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
   for (int base = 0; base < kRows; base += kRowsPerPass) {  // uniform across the CTA
     const int row = base + slot;
     const uint4 raw = base == 0 ? first_raw
-                                : load_new_row<HEAD_DIM, GROUP>(p, b, kvh, row, lane);
+                                : load_new_row<HEAD_DIM, GROUP>(p, b, hc, row, lane);
     const bool is_q = row < GROUP, is_k = row == GROUP, is_v = row == GROUP + 1;
     float x[8];
     unpack8<QT>(raw, x);

@@ -84,10 +84,11 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
 // head_scale undoes it.
 // GLOBAL: q_group is global memory (read-only path); else the fused append's staged group in
 // shared memory.
+// Heads from `heads` on (<= GROUP; a partial chunk of the group) are zero.
 template <int HEAD_DIM, int GROUP, typename QT, int BLOCKS, bool GLOBAL>
 __device__ __forceinline__ void load_query(uint32_t (&qb)[BLOCKS][Geometry<HEAD_DIM>::kChunks][2],
                                            float (&head_scale)[BLOCKS], const uint16_t* q_group,
-                                           int64_t q_head_stride, int g, int c) {
+                                           int64_t q_head_stride, int heads, int g, int c) {
   using G = Geometry<HEAD_DIM>;
 #pragma unroll
   for (int hb = 0; hb < BLOCKS; ++hb) {
@@ -97,7 +98,7 @@ __device__ __forceinline__ void load_query(uint32_t (&qb)[BLOCKS][Geometry<HEAD_
     for (int u = 0; u < G::kKVectors; ++u) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) words[u][i] = 0;
-      if (head < GROUP) {
+      if (head < GROUP && head < heads) {
         const uint4* src = reinterpret_cast<const uint4*>(q_group + head * q_head_stride +
                                                           64 * u + 16 * c);
         uint4 lo, hi;

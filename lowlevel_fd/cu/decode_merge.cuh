@@ -11,9 +11,10 @@ constexpr int kMaxSplits = 128;  // planner.MAX_SPLITS
 // `scratch` is shared memory for (kMaxSplits + 2) * GROUP floats. The split LSEs are read all at
 // once, and the outputs accumulate 8 splits per step with their loads in flight together: a
 // loop of dependent L2 reads would cost a round trip per split. Fixed order: reproducible.
-template <int HEAD_DIM, int GROUP, typename QT>
-__device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, float* scratch) {
-  const int64_t base = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.num_splits;
+template <int HEAD_DIM, int GROUP, typename QT, typename Chunk>
+__device__ void merge_splits(const DecodeParams& p, int b, const Chunk& hc, int active,
+                             float* scratch) {
+  const int64_t base = (static_cast<int64_t>(b) * hc.slots(p) + hc.slot) * p.num_splits;
   const float* lse_in = p.partial_lse + base * GROUP;
   const float4* out_in = reinterpret_cast<const float4*>(p.partial_out + base * GROUP * HEAD_DIM);
   float* weight = scratch;                            // [active][GROUP]
@@ -35,7 +36,7 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
   }
   __syncthreads();
   constexpr int kQuads = HEAD_DIM / 4, kSplitStride = GROUP * kQuads;
-  for (int idx = threadIdx.x; idx < GROUP * kQuads; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < hc.heads * kQuads; idx += blockDim.x) {
     const int row = idx / kQuads;
     const float4* src = out_in + idx;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -56,13 +57,13 @@ __device__ void merge_splits(const DecodeParams& p, int b, int kvh, int active, 
       acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
     const float inv = 1.f / row_total[row];
-    const int head = kvh * GROUP + row, d = 4 * (idx % kQuads);
+    const int head = hc.first + row, d = 4 * (idx % kQuads);
     uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
                     head * p.out_head_stride + d;
     dst[0] = from_float<QT>(acc.x * inv); dst[1] = from_float<QT>(acc.y * inv);
     dst[2] = from_float<QT>(acc.z * inv); dst[3] = from_float<QT>(acc.w * inv);
     if (p.lse != nullptr && d == 0)
-      p.lse[b * p.num_kv_heads * GROUP + head] = (row_best[row] + __log2f(row_total[row])) * kLn2;
+      p.lse[hc.row(p, b, row)] = (row_best[row] + __log2f(row_total[row])) * kLn2;
   }
 }
 
@@ -94,15 +95,16 @@ struct Quads {
   // The one quad per head pair that writes the pair's LSEs.
   __device__ __forceinline__ bool writes_lse() const { return g == 0 && mb == 0; }
 
-  // out[b, kvh * GROUP + head, d and d + 1] for the quad's heads.
-  template <typename QT>
-  __device__ __forceinline__ void store_output(const DecodeParams& p, int b, int kvh,
+  // out[b, the chunk's heads head0 and head0 + 1, d and d + 1], for those the chunk has.
+  template <typename QT, typename Chunk>
+  __device__ __forceinline__ void store_output(const DecodeParams& p, int b, const Chunk& hc,
                                                float4 value) const {
     uint16_t* dst = static_cast<uint16_t*>(p.out) + b * p.out_batch_stride +
-                    (kvh * GROUP + head0) * p.out_head_stride + d;
+                    (hc.first + head0) * p.out_head_stride + d;
+    if (!hc.has(head0)) return;
     dst[0] = from_float<QT>(value.x);
     dst[1] = from_float<QT>(value.z);
-    if (kHeads == 2) {
+    if (kHeads == 2 && hc.has(head0 + 1)) {
       dst[p.out_head_stride] = from_float<QT>(value.y);
       dst[p.out_head_stride + 1] = from_float<QT>(value.w);
     }
@@ -117,8 +119,8 @@ constexpr int kMaxClusterSplits = 16;  // planner.MAX_CLUSTER (non-portable sm_9
 // leader has waited for all of them. Each thread merges quads: the LSEs of every slot are
 // loaded at once, then the quads, so the shared-memory loads overlap. Fixed order over ranks:
 // reproducible.
-template <int HEAD_DIM, int GROUP, typename QT>
-__device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
+template <int HEAD_DIM, int GROUP, typename QT, typename Chunk>
+__device__ void leader_merge(const DecodeParams& p, int b, const Chunk& hc, int active,
                              const float* slots) {
   using Q = Quads<HEAD_DIM, GROUP>;
   for (int idx = threadIdx.x; idx < Q::kCompact; idx += blockDim.x) {
@@ -153,12 +155,12 @@ __device__ void leader_merge(const DecodeParams& p, int b, int kvh, int active,
 #pragma unroll
     for (int col = 0; col < Q::kHeads; ++col) inv[col] = 1.f / total[col];
     quad.template store_output<QT>(
-        p, b, kvh, make_float4(acc.x * inv[0], acc.y * inv[1], acc.z * inv[0], acc.w * inv[1]));
+        p, b, hc, make_float4(acc.x * inv[0], acc.y * inv[1], acc.z * inv[0], acc.w * inv[1]));
     if (p.lse != nullptr && quad.writes_lse())
 #pragma unroll
       for (int col = 0; col < Q::kHeads; ++col)
-        p.lse[b * p.num_kv_heads * GROUP + kvh * GROUP + quad.head0 + col] =
-            (best[col] + __log2f(total[col])) * kLn2;
+        if (hc.has(quad.head0 + col))
+          p.lse[hc.row(p, b, quad.head0 + col)] = (best[col] + __log2f(total[col])) * kLn2;
   }
 }
 

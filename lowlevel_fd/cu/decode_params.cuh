@@ -39,9 +39,56 @@ struct DecodeParams {
   const float* cos_sin;     //   [max_pos >= capacity, D/2, 2] fp32, or null
   int64_t k_new_batch_stride, k_new_head_stride;  // elements
   int64_t v_new_batch_stride, v_new_head_stride;  // elements
+  // The query heads: group_size per KV head, served by head_chunks CTAs of chunk_heads heads
+  // (at most the kernel's GROUP) each; grid.x = num_kv_heads * head_chunks.
+  int32_t group_size;
+  int32_t head_chunks;
+  int32_t chunk_heads;
 };
 
-static_assert(sizeof(DecodeParams) == 272, "keep in sync with lowlevel_fd/decode/params.py");
+static_assert(sizeof(DecodeParams) == 288, "keep in sync with lowlevel_fd/decode/params.py");
+
+// The query heads one CTA serves: `heads` (<= GROUP) consecutive heads from `first`, of KV head
+// `kvh`; `slot` numbers the (kv head, chunk) pairs of a sequence (blockIdx.x), `slots` counts
+// them (the split workspace and the merge counters are indexed by slot). MASKED kernels serve a
+// group that is not GROUP (fewer heads: the rest masked; more: in chunks of CTAs) from the
+// run-time fields; the others serve exactly GROUP heads per KV head, everything known at
+// compile time (the run-time form cost ~2% at B=1 in the common case: PERF_NOTES v15).
+template <int GROUP, bool MASKED>
+struct HeadChunk {  // MASKED: the group's shape comes from the run-time fields
+  int kvh, chunk, first, heads, slot;
+  __device__ __forceinline__ HeadChunk(const DecodeParams& p, int x) : kvh(x), chunk(0), slot(x) {
+    if (p.head_chunks > 1) {  // one chunk per KV head skips the division
+      kvh = x / p.head_chunks;
+      chunk = x - kvh * p.head_chunks;
+    }
+    first = kvh * p.group_size + chunk * p.chunk_heads;
+    heads = min(p.chunk_heads, p.group_size - chunk * p.chunk_heads);
+  }
+  // Slots per sequence: read where used, so no register holds it through the kernel.
+  __device__ __forceinline__ int slots(const DecodeParams& p) const {
+    return p.num_kv_heads * p.head_chunks;
+  }
+  // Whether the chunk has its head h (h < GROUP).
+  __device__ __forceinline__ bool has(int h) const { return h < heads; }
+  // lse row of the chunk's head h of sequence b: heads are numbered b * Hq + head (< 2^31).
+  __device__ __forceinline__ int row(const DecodeParams& p, int b, int h) const {
+    return b * p.num_kv_heads * p.group_size + first + h;
+  }
+};
+
+template <int GROUP>
+struct HeadChunk<GROUP, false> {  // exactly GROUP heads per KV head, one CTA each
+  static constexpr int chunk = 0, heads = GROUP;
+  int kvh, first, slot;
+  __device__ __forceinline__ HeadChunk(const DecodeParams&, int x)
+      : kvh(x), first(x * GROUP), slot(x) {}
+  __device__ __forceinline__ int slots(const DecodeParams& p) const { return p.num_kv_heads; }
+  __device__ __forceinline__ bool has(int) const { return true; }
+  __device__ __forceinline__ int row(const DecodeParams& p, int b, int h) const {
+    return b * p.num_kv_heads * GROUP + first + h;
+  }
+};
 
 // How many splits sequence `len` uses and how many tokens each gets (a multiple of 16).
 // Computed on the device from the live length, so a captured graph stays right as lengths grow.

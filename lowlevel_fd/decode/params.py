@@ -23,7 +23,10 @@ class DecodeParams(ctypes.Structure):
                 + [(name, ctypes.c_uint64) for name in ("k_new", "v_new", "cos_sin")]
                 + [(name, ctypes.c_int64) for name in (
                     "k_new_batch_stride", "k_new_head_stride", "v_new_batch_stride",
-                    "v_new_head_stride")])
+                    "v_new_head_stride")]
+                # the query heads: the group, served in head_chunks CTAs of chunk_heads
+                + [(name, ctypes.c_int32) for name in ("group_size", "head_chunks",
+                                                       "chunk_heads")])
 
 
-assert ctypes.sizeof(DecodeParams) == 272, "must match sizeof(llfd::DecodeParams)"
+assert ctypes.sizeof(DecodeParams) == 288, "must match sizeof(llfd::DecodeParams)"

@@ -18,7 +18,7 @@ from ..driver.stream import StreamLike
 from .bind import RunBinder
 from .params import DecodeParams
 from .planner import TileConfig, Workload, check_config, choose
-from .variants import LENGTHS, CombineVariant, DecodeVariant
+from .variants import LENGTHS, CombineVariant, DecodeVariant, head_chunks
 
 _LOG2E = 1.4426950408889634
 
@@ -38,6 +38,9 @@ class DecodePlan:
         self.cache = cache_spec(cache)
         self.group_size = self.cache.group_size(num_q_heads)
         self.num_q_heads = int(num_q_heads)
+        # The group in CTAs (set by plan()): cta_heads (the kernel's GROUP) query heads each,
+        # head_chunks CTAs per KV head.
+        self.cta_heads, self.head_chunks, _ = head_chunks(self.group_size)
         self.max_batch = check.positive("max_batch", max_batch)
         self.max_seq_len = check.positive("max_seq_len", max_seq_len)
         self.dtype = check.dtype_option("dtype", dtype, DTYPES)
@@ -99,9 +102,12 @@ class DecodePlan:
             check_config(config)
         batch, longest = int(lengths.size), int(lengths.max())
         hopper = self.device.compute_capability >= (9, 0)
+        cta_heads, chunks, chunk_heads = head_chunks(self.group_size,
+                                                     config.cta_heads if config else 0)
+        slots = self.num_kv_heads * chunks  # CTAs per sequence and split
         if config is None:
-            config = choose(Workload(batch, self.num_kv_heads, longest, self.device.sm_count,
-                                     0, self.group_size, self.head_dim), clusters=hopper)
+            config = choose(Workload(batch, slots, longest, self.device.sm_count, 0, cta_heads,
+                                     self.head_dim), clusters=hopper)
         if config.cluster and not hopper:
             raise ValueError(f"config.cluster: needs sm_90+, got {self.device.arch}")
         variant = DecodeVariant.planned(self.cache, self.group_size, self.dtype, config)
@@ -119,7 +125,10 @@ class DecodePlan:
                 kernel.allow_large_clusters()
         split = kernels[0]
         ctas_per_sm = split.occupancy(variant.threads, shared)
-        self._ensure_workspace(batch, config.num_splits, config.cluster)
+        self.cta_heads, self.head_chunks = cta_heads, chunks
+        partials = 1 if config.cluster or config.num_splits == 1 else (
+            batch * slots * config.num_splits)
+        self._ensure_workspace(partials * cta_heads, self.max_batch * slots)
         p = self._params
         p.partial_out = self._workspace["partial_out"].ptr
         p.partial_lse = self._workspace["partial_lse"].ptr
@@ -131,7 +140,8 @@ class DecodePlan:
         p.min_split_tokens = config.min_split_tokens
         p.fused_merge = int(config.fused_merge)
         p.cluster_slots_offset = slots_offset
-        grid = (self.num_kv_heads, config.num_splits, batch)
+        p.group_size, p.head_chunks, p.chunk_heads = self.group_size, chunks, chunk_heads
+        grid = (slots, config.num_splits, batch)
         launch_config = LaunchConfig(
             grid, variant.threads, shared,
             cluster=(1, config.num_splits, 1) if config.cluster else None,
@@ -141,16 +151,17 @@ class DecodePlan:
         self._split_append = kernels[1].prepare(launch_config, p) if append else None
         self._combine = None
         if config.num_splits > 1 and not config.fused_merge and not config.cluster:
-            combine = CombineVariant(self.head_dim, self.group_size, self.dtype)
+            combine = CombineVariant(self.head_dim, self.cta_heads, self.dtype, variant.masked)
             self._combine = load_kernels(combine, self.device)[0].prepare(
-                LaunchConfig((self.num_kv_heads, batch), combine.threads, combine.shared_bytes),
-                p)
+                LaunchConfig((slots, batch), combine.threads, combine.shared_bytes), p)
         self._advance = load_kernels(LENGTHS, self.device)[0]
         self._hopper = hopper
         self._binder.planned(batch, longest)
         self._generation += 1
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
+            "group_size": self.group_size, "cta_heads": self.cta_heads,
+            "head_chunks": self.head_chunks,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
             "tiles": variant.tiles, "tile_tokens": 16 * variant.tiles,
             "num_warps": variant.num_warps, "stages": variant.stages,
@@ -164,19 +175,18 @@ class DecodePlan:
         }
         return self
 
-    def _ensure_workspace(self, batch: int, num_splits: int, cluster: bool) -> None:
-        """Split partials for the global merge (none for a cluster merge); grows only."""
-        pairs = 1 if cluster or num_splits == 1 else batch * self.num_kv_heads * num_splits
+    def _ensure_workspace(self, rows: int, counters: int) -> None:
+        """``rows`` split partials (head rows of D floats and their LSEs) for the global merge,
+        ``counters`` merge counters (one per sequence and CTA slot); grows only."""
         ws = self._workspace
-        if "partial_lse" in ws and ws["partial_lse"].shape[0] >= pairs * self.group_size:
+        if ("partial_lse" in ws and ws["partial_lse"].shape[0] >= rows
+                and ws["counters"].shape[0] >= counters):
             return
         for array in ws.values():
             array.close()
-        ws["partial_out"] = DeviceArray.empty(pairs * self.group_size * self.head_dim,
-                                              np.float32, self.device)
-        ws["partial_lse"] = DeviceArray.empty(pairs * self.group_size, np.float32, self.device)
-        ws["counters"] = DeviceArray.full(self.max_batch * self.num_kv_heads, 0, np.uint32,
-                                          self.device)
+        ws["partial_out"] = DeviceArray.empty(rows * self.head_dim, np.float32, self.device)
+        ws["partial_lse"] = DeviceArray.empty(rows, np.float32, self.device)
+        ws["counters"] = DeviceArray.full(counters, 0, np.uint32, self.device)
         ws["error_flags"] = ErrorWord(self.device)
 
     # -- run ----------------------------------------------------------------------------------

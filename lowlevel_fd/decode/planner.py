@@ -53,6 +53,7 @@ class TileConfig:
     cluster: bool = False  # merge the splits inside a thread-block cluster (sm_90, <= 16)
     programmatic: bool = True  # programmatic dependent launch (sm_90; ignored before)
     tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
+    cta_heads: int = 0  # query heads per CTA (1, 2, 4, 8, 16); 0: the group's (variants.py)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ def check_config(config: Any) -> TileConfig:
         check.flag(f"config.{field}", getattr(config, field))
     check.choice("config.num_warps", int(config.num_warps), support.WARP_COUNTS)
     check.choice("config.tiles", int(config.tiles), (1, 2))
+    check.integer("config.cta_heads", config.cta_heads)
+    check.choice("config.cta_heads", int(config.cta_heads), (0, 1, 2, 4, 8, 16))
     if config.stages < 0 or config.stages == 1:  # decode.cu static_asserts STAGES >= 2
         raise ValueError(f"config.stages: expected 0 (the head_dim's default) or at least 2, "
                          f"got {config.stages}")

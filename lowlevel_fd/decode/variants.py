@@ -13,6 +13,36 @@ from ..core.spec import KVCacheSpec
 from .planner import DEFAULT_WARPS, MAX_SPLITS, TWO_TILE_HEAD_DIMS, TileConfig
 
 
+# Query heads per CTA the kernels are built for (the template GROUP): one or two head blocks of
+# 8 (the mma's N), and the powers of two below 8 that keep the merges small.
+CTA_HEADS = (1, 2, 4, 8, 16)
+
+
+def head_chunks(group_size: int, cta_heads: int = 0) -> tuple[int, int, int]:
+    """How a query group is served: (the kernel's heads per CTA, CTAs per KV head, live heads
+    per CTA). By default (``cta_heads`` 0) a group of up to 16 runs in one CTA of the next
+    power of two, the heads past it masked; a larger group in ceil(group / 16) CTAs of 16 that
+    share it evenly, each streaming its KV head (the ones after the first mostly from L2: they
+    run side by side). ``cta_heads`` (one of CTA_HEADS) asks for CTAs of that many heads."""
+    if not cta_heads:
+        cta_heads = next((n for n in CTA_HEADS if n >= group_size), CTA_HEADS[-1])
+    chunks = -(-group_size // cta_heads)
+    return cta_heads, chunks, -(-group_size // chunks)
+
+
+def is_masked(cta_heads: int, chunks: int, chunk_heads: int) -> bool:
+    """Whether CTAs of ``cta_heads`` serve the group other than one to one: the MASKED kernels
+    read the group from run-time fields; exact ones know it at compile time (~2% faster at B=1,
+    PERF_NOTES v15)."""
+    return chunks > 1 or chunk_heads != cta_heads
+
+
+# The kernels the planner picks for a group that is not a power of two up to 16: heads masked
+# in CTAs of 4, 8 or 16, or chunks of 16. (1 and 2 are never masked by the planner; a
+# TileConfig.cta_heads that needs them compiles on demand.)
+MASKED_CTA_HEADS = (4, 8, 16)
+
+
 def default_stages(head_dim: int) -> int:
     """Tiles in flight per warp. Two (one loading while one is consumed) measured best at
     head_dim 128: deeper pipelines cost occupancy and did not stream faster (PERF_NOTES.md)."""
@@ -24,7 +54,7 @@ class DecodeVariant:
     """One instantiation of decode_split."""
 
     head_dim: int
-    group_size: int
+    cta_heads: int  # query heads one CTA serves (CTA_HEADS): the template GROUP
     dtype: str = "float16"
     scale_mode: str = "token"
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
@@ -33,6 +63,7 @@ class DecodeVariant:
     cluster: bool = False  # splits merge through a thread-block cluster (sm_90+)
     tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
     append: bool = False  # the fused append of DecodePlan.append_and_run
+    masked: bool = False  # a group other than cta_heads (masked heads or chunks): is_masked()
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -41,9 +72,11 @@ class DecodeVariant:
     @classmethod
     def planned(cls, spec: KVCacheSpec, group_size: int, dtype: str, config: TileConfig, *,
                 append: bool = False) -> "DecodeVariant":
-        """The variant that a plan with this TileConfig launches."""
-        return cls(spec.head_dim, group_size, dtype, spec.scale_mode, spec.scale_dtype,
-                   config.num_warps, config.stages, config.cluster, config.tiles, append)
+        """The variant that a plan for this query group with this TileConfig launches."""
+        cta_heads, chunks, chunk_heads = head_chunks(group_size, config.cta_heads)
+        return cls(spec.head_dim, cta_heads, dtype, spec.scale_mode, spec.scale_dtype,
+                   config.num_warps, config.stages, config.cluster, config.tiles, append,
+                   is_masked(cta_heads, chunks, chunk_heads))
 
     @property
     def stage_bytes(self) -> int:
@@ -53,11 +86,11 @@ class DecodeVariant:
 
     @property
     def split_kernel(self) -> str:
-        return (f"llfd::decode_split<{self.head_dim}, {self.group_size}, {self.num_warps}, "
+        return (f"llfd::decode_split<{self.head_dim}, {self.cta_heads}, {self.num_warps}, "
                 f"{support.SCALE_MODE_IDS[self.scale_mode]}, {support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, {self.stages}, "
                 f"{support.cxx_bool(self.cluster)}, {self.tiles}, "
-                f"{support.cxx_bool(self.append)}>")
+                f"{support.cxx_bool(self.append)}, {support.cxx_bool(self.masked)}>")
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
@@ -69,7 +102,7 @@ class DecodeVariant:
 
     @property
     def _head_blocks(self) -> int:
-        return 2 if self.group_size > 8 else 1
+        return 2 if self.cta_heads > 8 else 1
 
     @property
     def dynamic_shared_bytes(self) -> int:
@@ -78,15 +111,15 @@ class DecodeVariant:
         weights ((MAX_SPLITS + 2) x GROUP floats)."""
         pipelines = self.num_warps * self.stages * self.stage_bytes
         quads = self.num_warps * self._head_blocks * (self.head_dim // 16) * 32 * 16
-        return max(pipelines, quads, (MAX_SPLITS + 2) * self.group_size * 4)
+        return max(pipelines, quads, (MAX_SPLITS + 2) * self.cta_heads * 4)
 
     def cluster_slots_bytes(self, num_splits: int) -> int:
         """The cluster merge's slots after the dynamic shared memory above (16-byte aligned):
         per split, the accumulator quads whose heads exist and GROUP LSEs padded to 4 (fp32)
         (Quads::kSlotFloats)."""
-        pairs = 4 if self.group_size >= 8 else (self.group_size + 1) // 2
+        pairs = 4 if self.cta_heads >= 8 else (self.cta_heads + 1) // 2
         compact = self._head_blocks * (self.head_dim // 16) * 8 * pairs
-        return num_splits * (4 * compact + -(-self.group_size // 4) * 4) * 4
+        return num_splits * (4 * compact + -(-self.cta_heads // 4) * 4) * 4
 
     def launch_shared_bytes(self, num_splits: int) -> tuple[int, int]:
         """(dynamic shared memory of a launch, offset of the cluster slots in it)."""
@@ -101,23 +134,25 @@ class DecodeVariant:
 
 @dataclass(frozen=True)
 class CombineVariant:
-    """decode_combine for one (head_dim, group, dtype): the merge when fused_merge is off."""
+    """decode_combine for one (head_dim, heads per CTA, dtype): the merge when fused_merge is
+    off."""
 
     head_dim: int
-    group_size: int
+    cta_heads: int
     dtype: str = "float16"
+    masked: bool = False
 
     threads = 128
 
     @property
     def shared_bytes(self) -> int:
         """The merge weights: (MAX_SPLITS + 2) x GROUP floats."""
-        return (MAX_SPLITS + 2) * self.group_size * 4
+        return (MAX_SPLITS + 2) * self.cta_heads * 4
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return (f"llfd::decode_combine<{self.head_dim}, {self.group_size}, "
-                f"{support.CXX_DTYPES[self.dtype]}>",)
+        return (f"llfd::decode_combine<{self.head_dim}, {self.cta_heads}, "
+                f"{support.CXX_DTYPES[self.dtype]}, {support.cxx_bool(self.masked)}>",)
 
     def compile(self, arch: str) -> CompiledProgram:
         return compile_cached("decode_combine.cu", CompileOptions(arch=arch), self.kernel_names)
@@ -141,20 +176,21 @@ Program = Union[DecodeVariant, CombineVariant, LengthsProgram]
 def shipped_variants(num_warps: tuple[int, ...] = (DEFAULT_WARPS,)) -> Iterator[Program]:
     """Every program the planner can pick (the CI compiles all of them): ``num_warps`` warps,
     one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
-    planner rule 7 (head_dim 128, groups up to 8); each also with the fused append; the merges
-    and the length bump. Other two-tile variants compile on demand."""
-    for dim, group, dtype in itertools.product(support.HEAD_DIMS, support.GROUP_SIZES,
-                                               support.DTYPES):
-        two_tiles = dim in TWO_TILE_HEAD_DIMS and group <= 8
-        for mode in support.SCALE_MODES:
-            for scale_dtype in support.SCALE_DTYPES[mode]:
-                for warps, append in itertools.product(num_warps, (False, True)):
-                    for cluster in (False, True):
-                        yield DecodeVariant(dim, group, dtype, mode, scale_dtype,
-                                            num_warps=warps, cluster=cluster, append=append)
-                    if two_tiles:
-                        yield DecodeVariant(dim, group, dtype, mode, scale_dtype,
-                                            num_warps=warps, cluster=True, tiles=2,
-                                            append=append)
-        yield CombineVariant(dim, group, dtype)
+    planner rule 7 (head_dim 128, up to 8 heads per CTA); each also with the fused append, and
+    each exact and (MASKED_CTA_HEADS) masked; the merges and the length bump. Other two-tile
+    variants compile on demand."""
+    for dim, heads, dtype in itertools.product(support.HEAD_DIMS, CTA_HEADS, support.DTYPES):
+        two_tiles = dim in TWO_TILE_HEAD_DIMS and heads <= 8
+        for masked in (False, True) if heads in MASKED_CTA_HEADS else (False,):
+            for mode in support.SCALE_MODES:
+                for scale_dtype in support.SCALE_DTYPES[mode]:
+                    for warps, append in itertools.product(num_warps, (False, True)):
+                        common = dict(num_warps=warps, append=append, masked=masked)
+                        for cluster in (False, True):
+                            yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
+                                                cluster=cluster, **common)
+                        if two_tiles:
+                            yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
+                                                cluster=True, tiles=2, **common)
+            yield CombineVariant(dim, heads, dtype, masked)
     yield LENGTHS

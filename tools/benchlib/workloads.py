@@ -213,7 +213,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "product of the given values (defaults: the default shapes, 32,8 heads, D=128, bnsh, "
         "token-fp32, fp16).")
     group.add_argument("--shapes", help="'B,S;B,S;...' e.g. '1,1024;8,4096'")
-    group.add_argument("--heads", help="'Hq,Hkv' (default 32,8)")
+    group.add_argument("--heads", help="'Hq,Hkv;Hq,Hkv;...' (default 32,8), e.g. "
+                                       "'24,8;32,8' for groups 3 and 4")
     group.add_argument("--head-dim", type=int, help="64, 128 or 256 (default 128)")
     group.add_argument("--layout", help="comma list of bnsh,bsnh or 'all'")
     group.add_argument("--scale-mode", help="comma list of tensor,head,token-fp32,token-fp16 "
@@ -230,7 +231,8 @@ def workloads_from_args(args: argparse.Namespace,
     if not any(getattr(args, name, None) for name in CUSTOM_FLAGS):
         return list(default if default is not None else default_sweep())
     shapes = parse_shapes(args.shapes) if args.shapes else list(DEFAULT_SHAPES)
-    num_q_heads, num_kv_heads = parse_heads(args.heads) if args.heads else (32, 8)
+    head_pairs = ([parse_heads(text) for text in args.heads.split(";") if text.strip()]
+                  if args.heads else [(32, 8)])
     head_dim = args.head_dim or 128
     layouts = parse_choices("--layout", args.layout or "bnsh", {x: x for x in LAYOUTS}, LAYOUTS)
     modes = parse_choices("--scale-mode", args.scale_mode or "token-fp32", SCALE_MODES,
@@ -238,8 +240,8 @@ def workloads_from_args(args: argparse.Namespace,
     q_dtypes = parse_choices("--q-dtype", args.q_dtype or "fp16", Q_DTYPES, ("fp16", "bf16"))
     sweep = [Workload(b, s, num_q_heads, num_kv_heads, head_dim, layout, mode, scale_dtype, q,
                       bool(args.ragged))
-             for (b, s), layout, (mode, scale_dtype), q
-             in itertools.product(shapes, layouts, modes, q_dtypes)]
+             for (b, s), (num_q_heads, num_kv_heads), layout, (mode, scale_dtype), q
+             in itertools.product(shapes, head_pairs, layouts, modes, q_dtypes)]
     return list(dict.fromkeys(sweep))  # a shape given twice runs once
 
 
