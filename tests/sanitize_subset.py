@@ -131,6 +131,16 @@ case("decode ragged batch with empty sequences", decode([0, 5, 1025, 0, 77], kv_
 case("decode head_dim 64 group 16", decode([129, 7], num_q_heads=32, head_dim=64))
 case("decode head_dim 256 group 8", decode([129, 7], num_q_heads=16, head_dim=256))
 case("decode without lse", decode([65, 2], lse=False))
+# Query groups that are not 1, 2, 4, 8, 16: masked heads, and chunks of 16 heads per KV head.
+case("decode group 3 masked, cluster merge",
+     decode([0, 700, 33], config=TileConfig(num_warps=8, num_splits=4, min_split_tokens=128,
+                                            cluster=True), num_q_heads=6, num_kv_heads=2))
+case("decode group 24 in two chunks, global merge",
+     decode([1025, 0, 9], config=TileConfig(num_warps=8, num_splits=3, min_split_tokens=128),
+            num_q_heads=24, num_kv_heads=1))
+case("decode group 71 in five chunks, combine kernel",
+     decode([513, 70], config=TileConfig(num_warps=4, num_splits=3, min_split_tokens=64,
+                                         fused_merge=False), num_q_heads=71, num_kv_heads=1))
 FORCED = {"2 warps 1 split": TileConfig(2, 1),
           "8 warps 3 splits fused": TileConfig(8, 3),
           "16 splits fused merge": TileConfig(4, 16, 16, True),
@@ -290,6 +300,11 @@ case("fused append tensor scales, combine kernel, head_dim 256",
      fused([300, 2], TileConfig(num_warps=4, num_splits=3, min_split_tokens=64,
                                 fused_merge=False), scale_mode="tensor", head_dim=256))
 case("fused append positions outside the cache", fused([1090, -1, 5], rope="neox"))
+case("fused append group 24 in two chunks, one writer",
+     fused([0, 700, 1089], rope="neox", num_q_heads=24, num_kv_heads=1))
+case("fused append group 7 masked, cluster merge",
+     fused([5, 1025], TileConfig(num_warps=8, num_splits=4, min_split_tokens=128, cluster=True),
+           num_q_heads=14, num_kv_heads=2, rope="gptj", table=True))
 
 
 # -- driver --------------------------------------------------------------------------------------
