@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from . import __version__, demo as demo_job
 from .append import shipped_variants as append_variants
-from .compiler import (CompiledProgram, CompileError, CompileOptions, cache_dir, nvrtc_compiles,
-                       nvrtc_version)
+from .compiler import (KERNEL_DIR, CompiledProgram, CompileError, CompileOptions, cache_dir,
+                       compile_source, nvrtc_compiles, nvrtc_version)
 from .core.support import WARP_COUNTS
 from .decode import shipped_variants as decode_variants
 from .decode.planner import DEFAULT_WARPS
@@ -85,6 +85,9 @@ def info(_: argparse.Namespace) -> int:
 
 # -- compile ----------------------------------------------------------------------------------
 _HEADER = ("kernel", "regs", "spill-st", "spill-ld", "stack", "smem")
+# Programs of one source per NVRTC run by default: each run costs ~0.08 s beyond its kernels
+# (a quarter of a decode program's compile), and ptxas reports every kernel the same way.
+BATCH = 24
 
 
 def _compile_one(variant: Any, arch: str) -> CompiledProgram | CompileError:
@@ -92,6 +95,28 @@ def _compile_one(variant: Any, arch: str) -> CompiledProgram | CompileError:
         return variant.compile(arch)
     except CompileError as exc:  # reported with the others once every variant has been tried
         return exc
+
+
+def _compile_batch(variants: Sequence[Any], arch: str) -> CompiledProgram | CompileError:
+    """One NVRTC run for the kernels of several programs of one source (no compile cache)."""
+    source = variants[0].source
+    names = [name for variant in variants for name in variant.kernel_names]
+    try:
+        return compile_source((KERNEL_DIR / source).read_text(), source,
+                              CompileOptions(arch=arch), names)
+    except CompileError as exc:
+        return exc
+
+
+def _batches(jobs: list, size: int) -> list[list[int]]:
+    """Job indices in runs of at most ``size`` programs of one source (size 0: one each)."""
+    if not size:
+        return [[index] for index in range(len(jobs))]
+    by_source: dict[str, list[int]] = {}
+    for index, (_, variant) in enumerate(jobs):
+        by_source.setdefault(variant.source, []).append(index)
+    return [indices[i:i + size] for indices in by_source.values()
+            for i in range(0, len(indices), size)]
 
 
 def _progress(done: int, total: int, start: float) -> None:
@@ -107,21 +132,29 @@ def _progress(done: int, total: int, start: float) -> None:
 
 
 def compile_families(families: Sequence[KernelFamily], arch: str,
-                     num_warps: tuple[int, ...]) -> int:
+                     num_warps: tuple[int, ...], *, batch: int = 0) -> int:
     """Compile every program (NVRTC drops the GIL, so threads overlap) with progress on stderr,
     print one row per kernel, and return 1 if any kernel failed, spilled or needed a stack
-    frame."""
+    frame. ``batch`` 0: each program on its own, into the compile cache; else up to ``batch``
+    programs of one source per NVRTC run (their ``source``), outside the cache."""
     jobs = [(family, variant) for family in families for variant in family.variants(num_warps)]
     print(f"compiling {len(jobs)} programs ({', '.join(f.name for f in families)}) for {arch}",
           flush=True)
     start = time.perf_counter()
     results: list[Any] = [None] * len(jobs)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        futures = {pool.submit(_compile_one, variant, arch): index
-                   for index, (_, variant) in enumerate(jobs)}
-        for done, future in enumerate(as_completed(futures), 1):
-            results[futures[future]] = future.result()
-            _progress(done, len(jobs), start)
+        futures = {}
+        for indices in _batches(jobs, batch):
+            variants = [jobs[index][1] for index in indices]
+            future = (pool.submit(_compile_batch, variants, arch) if batch
+                      else pool.submit(_compile_one, variants[0], arch))
+            futures[future] = indices
+        done = 0
+        for future in as_completed(futures):
+            for index in futures[future]:
+                results[index] = future.result()
+                done += 1
+                _progress(done, len(jobs), start)
     rows, problems, first_error = [], [], None
     for (family, variant), result in zip(jobs, results):
         if isinstance(result, CompileError):
@@ -157,7 +190,8 @@ def compile_families(families: Sequence[KernelFamily], arch: str,
 
 def compile_command(args: argparse.Namespace) -> int:
     warps = WARP_COUNTS if args.all_warps else (DEFAULT_WARPS,)
-    return compile_families(FAMILIES, args.arch or _default_arch(), warps)
+    return compile_families(FAMILIES, args.arch or _default_arch(), warps,
+                            batch=0 if args.cache else BATCH)
 
 
 # -- demo -------------------------------------------------------------------------------------
@@ -190,6 +224,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     build.add_argument("--all-warps", action="store_true",
                        help=f"also compile the decode variants of {others} warps that a "
                             f"TileConfig may ask for (the planner picks {DEFAULT_WARPS})")
+    build.add_argument("--cache", action="store_true",
+                       help="compile each program on its own into the compile cache (a "
+                            "deployment's warm-up; slower); by default programs of one "
+                            "source share an NVRTC run and nothing is cached")
     build.set_defaults(run=compile_command)
     commands.add_parser("demo", help="decode attention over an INT8 cache, checked against "
                         "the reference and timed (needs a GPU)").set_defaults(run=demo)

@@ -194,7 +194,8 @@ def test_all_warps_help_names_the_other_warp_counts(monkeypatch, capsys):
 
 
 class FakeVariant:
-    """Stands in for a kernel variant: ``compile`` returns a canned ptxas report."""
+    """Stands in for a kernel variant: ``compile`` returns a canned ptxas report (these tests
+    use ``--cache``: one ``compile`` per program, the path a fake can take)."""
 
     def __init__(self, name: str, resources: KernelResources) -> None:
         self.name, self.resources = name, resources
@@ -222,7 +223,7 @@ CLEAN = KernelResources(registers=40, spill_store_bytes=0, spill_load_bytes=0, s
 def test_compile_fails_and_names_a_kernel_that_spills(monkeypatch, capsys, problem, resources):
     family = fake_family(FakeVariant("clean", CLEAN), FakeVariant("spiller", resources))
     monkeypatch.setattr(cli, "FAMILIES", [family])
-    assert cli.main(["compile", "--arch", "sm_90"]) == 1
+    assert cli.main(["compile", "--arch", "sm_90", "--cache"]) == 1
     captured = capsys.readouterr()
     assert re.search(rf"^  spiller: .*{problem}", captured.err, re.M)
     assert "clean" not in captured.err
@@ -239,7 +240,7 @@ class BrokenVariant:
 def test_compile_reports_a_variant_that_does_not_compile(monkeypatch, capsys):
     family = fake_family(FakeVariant("clean", CLEAN), BrokenVariant())
     monkeypatch.setattr(cli, "FAMILIES", [family])
-    assert cli.main(["compile", "--arch", "sm_90"]) == 1
+    assert cli.main(["compile", "--arch", "sm_90", "--cache"]) == 1
     err = capsys.readouterr().err
     assert re.search(r"^  fake .*BrokenVariant.*: does not compile$", err, re.M)
     assert re.search(r"broken\.cu\(3\): error", err)
@@ -248,7 +249,7 @@ def test_compile_reports_a_variant_that_does_not_compile(monkeypatch, capsys):
 def test_compile_lists_each_kernel_once_in_the_order_of_the_families(monkeypatch, capsys):
     first, second = FakeVariant("first", CLEAN), FakeVariant("second", CLEAN)
     monkeypatch.setattr(cli, "FAMILIES", [fake_family(first), fake_family(second)])
-    assert cli.main(["compile", "--arch", "sm_90"]) == 0
+    assert cli.main(["compile", "--arch", "sm_90", "--cache"]) == 0
     captured = capsys.readouterr()
     listed = [line.split()[0] for line in captured.out.splitlines()
               if line.split() and line.split()[0] in ("first", "second")]
@@ -262,6 +263,28 @@ def test_compile_passes_every_warp_count_with_all_warps(monkeypatch, capsys):
     seen: list[tuple[int, ...]] = []
     family = cli.KernelFamily("fake", lambda warps: seen.append(warps) or [])
     monkeypatch.setattr(cli, "FAMILIES", [family])
-    assert cli.main(["compile", "--arch", "sm_80", "--all-warps"]) == 0
-    assert cli.main(["compile", "--arch", "sm_80"]) == 0
+    assert cli.main(["compile", "--arch", "sm_80", "--all-warps", "--cache"]) == 0
+    assert cli.main(["compile", "--arch", "sm_80", "--cache"]) == 0
     assert seen == [WARP_COUNTS, (DEFAULT_WARPS,)] == [(2, 4, 8), (8,)]
+
+
+def test_batched_compile_reports_what_one_program_per_run_reports(capsys, monkeypatch, tmp_path):
+    """The default `compile` puts up to cli.BATCH programs of one source into one NVRTC run:
+    the same rows as compiling each program on its own (and nothing goes to the cache)."""
+    monkeypatch.setenv("LOWLEVEL_FD_CACHE_DIR", str(tmp_path / "cache"))
+    picked = [v for v in decode.shipped_variants()][:3] + list(append.shipped_variants())[:2]
+    family = cli.KernelFamily("some", lambda warps: picked)
+    tables = []
+    for batch in (0, 2):
+        assert cli.compile_families([family], "sm_90", (DEFAULT_WARPS,), batch=batch) == 0
+        tables.append([line for line in capsys.readouterr().out.splitlines()
+                       if ROW.match(line)])
+    assert tables[0] == tables[1] and len(tables[0]) == 7  # 3 split kernels + 2 x 2 append
+    assert cli._batches([(None, v) for v in picked], 2) == [[0, 1], [2], [3, 4]]
+
+
+def test_compile_help_explains_the_cache_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser("lowlevel-fd").parse_args(["compile", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--cache\s.*into the compile cache", text), text

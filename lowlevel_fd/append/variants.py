@@ -47,8 +47,10 @@ class AppendVariant:
         """(append_token, quantize_prompt): the order ``load_kernels`` returns them in."""
         return (self.append_kernel, self.prompt_kernel)
 
+    source = "append.cu"
+
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached("append.cu", CompileOptions(arch=arch), self.kernel_names)
+        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
 
 
 def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[AppendVariant]:

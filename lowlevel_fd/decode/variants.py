@@ -128,8 +128,10 @@ class DecodeVariant:
         offset = -(-self.dynamic_shared_bytes // 16) * 16
         return offset + self.cluster_slots_bytes(num_splits), offset
 
+    source = "decode.cu"
+
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached("decode.cu", CompileOptions(arch=arch), self.kernel_names)
+        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,10 @@ class CombineVariant:
         return (f"llfd::decode_combine<{self.head_dim}, {self.cta_heads}, "
                 f"{support.CXX_DTYPES[self.dtype]}, {support.cxx_bool(self.masked)}>",)
 
+    source = "decode_combine.cu"
+
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached("decode_combine.cu", CompileOptions(arch=arch), self.kernel_names)
+        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
 
 
 @dataclass(frozen=True)
@@ -164,9 +168,10 @@ class LengthsProgram:
 
     threads = 256
     kernel_names = ("llfd::advance_lengths",)
+    source = "lengths.cu"
 
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached("lengths.cu", CompileOptions(arch=arch), self.kernel_names)
+        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
 
 
 LENGTHS = LengthsProgram()
