@@ -47,7 +47,11 @@ def load(gguf: str | None, dtype: str) -> tuple[Path, Tokenizer, Llama]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    path, tokenizer, model = load(args.gguf, args.dtype)
+    try:
+        path, tokenizer, model = load(args.gguf, args.dtype)
+    except (locate.ModelUnavailableError, FileNotFoundError) as exc:
+        print(f"chat: {exc}", file=sys.stderr)
+        return 2
     config = model.config
     loaded = time.perf_counter() - started
     print(f"model: {path} ({config.n_layers} layers, hidden {config.hidden}, "
