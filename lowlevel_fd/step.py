@@ -49,6 +49,7 @@ import numpy as np
 from .append import AppendPlan
 from .core import validate as check
 from .core.binding import layout_strides
+from .core.resources import close_all
 from .core.spec import KVCacheSpec, cache_spec
 from .decode import DecodePlan
 from .driver import Device, DeviceArray, Graph, capture
@@ -75,12 +76,6 @@ class LayerBuffers:
 
 
 _FIELDS = tuple(f.name for f in fields(LayerBuffers))
-
-
-def _close(arrays: dict[str, DeviceArray]) -> None:
-    for array in arrays.values():
-        array.close()
-    arrays.clear()
 
 
 class DecodeStep:
@@ -110,7 +105,7 @@ class DecodeStep:
         self.max_seq_len, self.dtype, self.device = max_seq_len, self.attention.dtype, device
         self._host_lengths: np.ndarray | None = None
         self._arrays: dict[str, DeviceArray] = {}
-        self._finalizer = weakref.finalize(self, _close, self._arrays)
+        self._finalizer = weakref.finalize(self, close_all, self._arrays)
 
     @classmethod
     def create(cls, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -136,11 +131,7 @@ class DecodeStep:
         if self.fused:
             self.attention.plan(lengths, append=True)  # rejects a full sequence
         else:
-            full = np.flatnonzero(lengths >= self.max_seq_len)
-            if full.size:
-                b = int(full[0])
-                raise ValueError(f"seq_lens: sequence {b} has length {int(lengths[b])}, leaving "
-                                 f"no room for the new token (max_seq_len={self.max_seq_len})")
+            check.room_for_new_token("seq_lens", lengths, self.max_seq_len)
             self.attention.plan(lengths + 1)
             assert self.append is not None
             self.append.load()

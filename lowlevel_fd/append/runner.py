@@ -9,7 +9,8 @@ from typing import Any
 from ..core import validate as check
 from ..core.errors import ErrorWord
 from ..core.loader import load_kernels
-from ..core.spec import KVCacheSpec, cache_spec
+from ..core.resources import close_all
+from ..core.spec import KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, Kernel, LaunchConfig, PreparedLaunch, is_capturing
 from ..driver.stream import StreamLike
@@ -17,13 +18,7 @@ from .params import AppendParams
 from .variants import THREADS, AppendVariant
 
 
-def _close(resources: dict[str, Any]) -> None:
-    for resource in resources.values():
-        resource.close()
-    resources.clear()
-
-
-class KernelRunner:
+class KernelRunner(OnCache):
     """Checks the plan's own options (the cache's are the KVCacheSpec's), then owns one kernel
     of an AppendVariant, a device error word and the packed parameter block. Nothing touches
     the GPU until ``load()``."""
@@ -43,15 +38,7 @@ class KernelRunner:
         self._kernel: Kernel | None = None
         self._launches: dict[tuple[int, ...], PreparedLaunch] = {}
         self._resources: dict[str, ErrorWord] = {}
-        self._finalizer = weakref.finalize(self, _close, self._resources)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.cache.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.cache.head_dim
+        self._finalizer = weakref.finalize(self, close_all, self._resources)
 
     def load(self) -> "KernelRunner":
         """Compile (cached on disk), load the kernel and allocate the zeroed error word. The

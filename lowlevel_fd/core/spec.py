@@ -70,6 +70,20 @@ class KVCacheSpec:
         return group
 
 
+class OnCache:
+    """A plan over a KVCacheSpec (``self.cache``): the cache's shape, named as the plans' own."""
+
+    cache: KVCacheSpec
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cache.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.cache.head_dim
+
+
 def cache_spec(cache: Any) -> KVCacheSpec:
     """A plan's ``cache`` argument: a KVCacheSpec (TypeError otherwise)."""
     if not isinstance(cache, KVCacheSpec):

@@ -205,6 +205,15 @@ def host_lengths(name: str, seq_lens: Any, max_batch: int, max_seq_len: int) -> 
     return lengths.astype(np.int64)
 
 
+def room_for_new_token(name: str, lengths: np.ndarray, max_seq_len: int) -> None:
+    """Host lengths of an appending step: every sequence must have a free slot for its token."""
+    full = np.flatnonzero(lengths >= max_seq_len)
+    if full.size:
+        b = int(full[0])
+        raise ValueError(f"{name}: sequence {b} has length {int(lengths[b])}, leaving no room "
+                         f"for the new token (max_seq_len={max_seq_len})")
+
+
 def host_array(name: str, values: Any) -> np.ndarray:
     """Host lengths as a numpy array; what numpy cannot read as one (ragged lists) is named."""
     try:

@@ -40,12 +40,8 @@ class RunBinder:
     def bind(self, p: DecodeParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, out: Any, lse: Any) -> None:
         """run()'s arguments into ``p`` (its append fields are left alone)."""
-        # The hot path of a decode loop: plain calls, no generators (host overhead per run).
-        wrap, device = check.device_array, self.device
-        own = (wrap("q", q, device, elements=False), wrap("out", out, device, elements=False),
-               wrap("seq_lens", seq_lens, device, elements=False),
-               None if lse is None else wrap("lse", lse, device, elements=False))
-        cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, elements=False)
+        own = self._wrap(q, out, seq_lens, lse)
+        cache = wrap_cache(self.device, k_cache, v_cache, k_scale, v_scale, elements=False)
         key = self._key(False, own, cache)
         if key != self._validated:
             self._check(own, cache, written=False)
@@ -57,10 +53,10 @@ class RunBinder:
                     lse: Any, cos_sin: Any) -> None:
         """append_and_run()'s arguments into ``p``, including its append fields."""
         wrap, device = check.device_array, self.device
-        own = tuple(None if obj is None else wrap(name, obj, device, elements=False)
-                    for name, obj in zip(_RUN, (q, out, seq_lens, lse)))
-        new = tuple(None if obj is None else wrap(name, obj, device, elements=False)
-                    for name, obj in zip(_APPEND, (k_new, v_new, cos_sin)))
+        own = self._wrap(q, out, seq_lens, lse)
+        new = (wrap("k_new", k_new, device, elements=False),
+               wrap("v_new", v_new, device, elements=False),
+               None if cos_sin is None else wrap("cos_sin", cos_sin, device, elements=False))
         cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, elements=False)
         key = self._key(True, own + new, cache)
         if key != self._validated:
@@ -79,15 +75,21 @@ class RunBinder:
         p.k_new_batch_stride, p.k_new_head_stride = kn.strides[0] // item, kn.strides[1] // item
         p.v_new_batch_stride, p.v_new_head_stride = vn.strides[0] // item, vn.strides[1] // item
 
+    def _wrap(self, q: Any, out: Any, seq_lens: Any, lse: Any) -> tuple:
+        """q, out, seq_lens (required) and lse (optional) as DeviceArrays on the plan's device.
+        The hot path of a decode loop: plain calls, no generators (host overhead per run)."""
+        wrap, device = check.device_array, self.device
+        return (wrap("q", q, device, elements=False), wrap("out", out, device, elements=False),
+                wrap("seq_lens", seq_lens, device, elements=False),
+                None if lse is None else wrap("lse", lse, device, elements=False))
+
     def _key(self, append: bool, arrays: tuple, cache: CacheArrays) -> tuple:
         return (append, self.batch, self.longest,
                 *[(a.ptr, a.shape, a.strides, a.dtype) for a in arrays if a is not None],
                 *[(a.ptr, a.shape, a.strides, a.dtype) for a in cache])
 
-    def _rows(self, name: str, array: DeviceArray | None, heads: int, labels: str) -> None:
+    def _rows(self, name: str, array: DeviceArray, heads: int, labels: str) -> None:
         """fp16/bf16 ``[B, heads, D]`` in the plan's dtype, rows 16-byte aligned."""
-        if array is None:
-            raise TypeError(f"{name}: expected a device array, got None")
         check.element_aligned(name, array)
         check.dtype(name, array, (self.dtype,))
         check.shape(name, array, (self.batch, heads, self.spec.head_dim), labels)
@@ -96,9 +98,6 @@ class RunBinder:
 
     def _check(self, own: tuple, cache: CacheArrays, *, written: bool) -> int:
         q, out, lengths, lse = own
-        for name, array in zip(_RUN, own):
-            if name != "lse" and array is None:
-                raise TypeError(f"{name}: expected a device array, got None")
         B, Hq, D = self.batch, self.num_q_heads, self.spec.head_dim
         self._rows("q", q, Hq, "[B, Hq, D]")
         check.element_aligned("out", out)

@@ -11,7 +11,8 @@ import numpy as np
 from ..core import validate as check
 from ..core.errors import ErrorWord
 from ..core.loader import load_kernels
-from ..core.spec import KVCacheSpec, cache_spec
+from ..core.resources import close_all
+from ..core.spec import KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
@@ -23,7 +24,7 @@ from .variants import LENGTHS, CombineVariant, DecodeVariant, head_chunks
 _LOG2E = 1.4426950408889634
 
 
-class DecodePlan:
+class DecodePlan(OnCache):
     """Decode attention (one query token per sequence) over an INT8 KV cache.
 
     ``plan(seq_lens)`` picks the launch for a batch; ``run(...)`` executes it on a stream with
@@ -58,7 +59,7 @@ class DecodePlan:
         self._combine: PreparedLaunch | None = None
         self._generation = 0  # bumped by every plan(): PreparedCalls of older plans are stale
         self._description: dict[str, Any] = {}
-        self._finalizer = weakref.finalize(self, _close_all, self._workspace)
+        self._finalizer = weakref.finalize(self, close_all, self._workspace)
 
     @classmethod
     def create(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
@@ -72,14 +73,6 @@ class DecodePlan:
         return cls(spec, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
                    dtype=dtype, sm_scale=sm_scale, device=device)
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.cache.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.cache.head_dim
-
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Any, *, config: TileConfig | None = None,
              append: bool = False) -> "DecodePlan":
@@ -92,11 +85,7 @@ class DecodePlan:
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         if append:
-            full = np.flatnonzero(lengths >= self.max_seq_len)
-            if full.size:
-                b = int(full[0])
-                raise ValueError(f"seq_lens: sequence {b} has length {int(lengths[b])}, leaving "
-                                 f"no room for the new token (max_seq_len={self.max_seq_len})")
+            check.room_for_new_token("seq_lens", lengths, self.max_seq_len)
             lengths = lengths + 1
         if config is not None:
             check_config(config)
@@ -326,8 +315,3 @@ class PreparedCall:
                        ctypes.sizeof(DecodeParams))
         plan._launch(self._append, stream)
 
-
-def _close_all(resources: dict[str, Any]) -> None:
-    for resource in resources.values():
-        resource.close()
-    resources.clear()
