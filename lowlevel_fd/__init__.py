@@ -7,7 +7,7 @@ PromptQuantizer (writes), DecodeStep (a whole L-layer step as one CUDA graph).
 from .append import AppendPlan, PromptQuantizer, quantize_prompt
 from .compiler import CompileError
 from .core.spec import KVCacheSpec
-from .core.support import ERROR_OUTSIDE_CACHE, ERROR_PROMPT_LENGTH
+from .core.support import ERROR_BAD_PAGE, ERROR_OUTSIDE_CACHE, ERROR_PROMPT_LENGTH
 from .decode import DecodePlan, TileConfig
 from .driver import (CudaError, Device, DeviceArray, Event, Graph, Stream, as_device_array,
                      capture, gpu_available)
@@ -15,6 +15,6 @@ from .step import DecodeStep, LayerBuffers
 
 __version__ = "0.2.0"
 __all__ = ["AppendPlan", "CompileError", "CudaError", "DecodePlan", "DecodeStep", "Device",
-           "DeviceArray", "ERROR_OUTSIDE_CACHE", "ERROR_PROMPT_LENGTH", "Event", "Graph",
+           "DeviceArray", "ERROR_BAD_PAGE", "ERROR_OUTSIDE_CACHE", "ERROR_PROMPT_LENGTH", "Event", "Graph",
            "KVCacheSpec", "LayerBuffers", "PromptQuantizer", "Stream", "TileConfig",
            "__version__", "as_device_array", "capture", "gpu_available", "quantize_prompt"]

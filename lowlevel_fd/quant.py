@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.support import KV_LAYOUTS, SCALE_MODES
+from .core.support import CONTIGUOUS_LAYOUTS as KV_LAYOUTS, SCALE_MODES
 
 QMAX = 127  # symmetric range [-127, 127]; -128 is never produced
 _CALIBRATED_MODES = ("tensor", "head")

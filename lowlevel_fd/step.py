@@ -37,6 +37,15 @@ when it is issued (and a captured kernel node keeps that copy), and because the 
 workspace (split partials, merge counters, reset by the merging CTA) is only ever used by one
 layer at a time: all launches go to one stream, in order. Graph replay and ``eager`` issue the
 same launches with the same parameters in the same order, so their outputs are bitwise equal.
+
+A model whose layer i + 1 needs layer i's output cannot have all L attention launches issued
+back to back. ``bind`` validates the same buffers into the same prepared calls and returns them
+as a ``BoundStep``: ``begin(stream)``, then ``layer(i, stream)`` for i = 0 .. L-1 in order, with
+the model's own work (projections, MLP) enqueued in between on the same stream, then
+``end(stream)``. Those are exactly the launches of ``eager``, in its order, so a model's step
+that issues them inside its own CUDA graph (torch's, say) keeps every guarantee above. Early
+reads hold as long as the work between layers writes neither ``seq_lens``, ``cos_sin`` nor a
+cache or scale of the layer that follows it.
 """
 from __future__ import annotations
 
@@ -61,7 +70,9 @@ class LayerBuffers:
     """One layer's device buffers for a step. q, out: ``[B, Hq, D]`` fp16/bf16 (the unfused
     step rotates q in place when it applies RoPE; the fused one leaves it); k_new, v_new:
     ``[B, Hkv, D]``; caches and scales as in ``DecodePlan.run``; cos_sin: optional fp32 RoPE
-    table; lse: optional fp32 ``[B, Hq]``."""
+    table; lse: optional fp32 ``[B, Hq]``; block_table: int32 ``[B, max_pages]`` for a paged
+    spec (the fused step needs one table, and pools of one size, in every layer: it advances
+    the lengths once)."""
 
     q: Any
     k_new: Any
@@ -73,6 +84,7 @@ class LayerBuffers:
     out: Any
     cos_sin: Any = None
     lse: Any = None
+    block_table: Any = None
 
 
 _FIELDS = tuple(f.name for f in fields(LayerBuffers))
@@ -83,7 +95,8 @@ class DecodeStep:
     attention over the cache including it; one launch per layer (``fused``, plus one per step
     for the lengths) or two (AppendPlan then DecodePlan). ``plan`` does the host work,
     ``capture`` returns a Graph that replays the whole step, ``eager`` issues the same
-    launches without one."""
+    launches without one, ``bind`` returns them to be issued one layer at a time (a model's
+    own work in between)."""
 
     def __init__(self, cache: KVCacheSpec, num_layers: int, num_q_heads: int, *,
                  max_batch: int, max_seq_len: int, dtype: str = "float16",
@@ -112,11 +125,12 @@ class DecodeStep:
                max_batch: int, max_seq_len: int, dtype: str = "float16",
                kv_layout: str = "bnsh", scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
-               sm_scale: float | None = None, fused: bool = True, early_reads: bool = True,
+               page_size: int | None = None, sm_scale: float | None = None,
+               fused: bool = True, early_reads: bool = True,
                device: Device | None = None) -> "DecodeStep":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta)
+                           rope_theta, page_size=page_size)
         return cls(spec, num_layers, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
                    dtype=dtype, sm_scale=sm_scale, fused=fused, early_reads=early_reads,
                    device=device)
@@ -161,13 +175,28 @@ class DecodeStep:
                              f"got {len(layers)}")
         lengths = check.device_lengths("seq_lens", seq_lens, self.device, batch)
         prepared = [self._layer(i, layer, lengths) for i, layer in enumerate(layers)]
-        capacities = sorted({capacity for _, capacity in prepared})
+        capacities = sorted({capacity for _, capacity, _ in prepared})
         if self.fused and len(capacities) > 1:  # one advance_lengths serves every layer
             raise ValueError(f"layers: expected caches of one capacity S_max in every layer "
                              f"(the fused step advances the lengths once), got {capacities}")
-        return [calls for calls, _ in prepared], lengths, capacities[0]
+        pages = {(table.ptr, num_pages): (table, num_pages)
+                 for _, _, (table, num_pages) in prepared if table is not None}
+        if self.fused and len(pages) > 1:
+            raise ValueError(f"layers: expected one block_table and pools of one size in every "
+                             f"layer (the fused step advances the lengths once), got (table "
+                             f"address, num_pages) {sorted(pages)}")
+        table, num_pages = next(iter(pages.values()), (None, None))
+        advance = {"capacity": capacities[0], "block_table": table, "num_pages": num_pages}
+        return [calls for calls, _, _ in prepared], lengths, advance
 
-    def _layer(self, index: int, layer: Any, lengths: DeviceArray) -> tuple[tuple, int]:
+    def _advance(self, lengths: DeviceArray, advance: dict, stream: StreamLike) -> None:
+        """The fused step's one advance_lengths (``advance``: from ``_prepared``)."""
+        pages = {} if advance["block_table"] is None else {
+            "block_table": advance["block_table"], "num_pages": advance["num_pages"]}
+        self.attention.advance_lengths(lengths, advance["capacity"], stream=stream, **pages)
+
+    def _layer(self, index: int, layer: Any,
+               lengths: DeviceArray) -> tuple[tuple, int, tuple[Any, int | None]]:
         name = f"layers[{index}]"
         if isinstance(layer, Mapping):
             unknown = sorted(set(layer) - set(_FIELDS))
@@ -180,13 +209,14 @@ class DecodeStep:
             raise TypeError(f"{name}: expected LayerBuffers or a mapping, got "
                             f"{type(layer).__name__}")
         caches = (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale)
+        pages = {"block_table": layer.block_table}
         try:
-            capacity = self._capacity(layer.k_cache, lengths.shape[0])
+            capacity = self._capacity(layer.k_cache, layer.block_table, lengths.shape[0])
             if self.fused:
                 calls: tuple = (self.attention.prepare_append_and_run(
                     layer.q, layer.k_new, layer.v_new, *caches, lengths, layer.out,
                     cos_sin=layer.cos_sin, lse=layer.lse,
-                    early_reads=self.early_reads and index > 0),)
+                    early_reads=self.early_reads and index > 0, **pages),)
             else:
                 assert self.append is not None
                 first = index == 0
@@ -194,23 +224,45 @@ class DecodeStep:
                 calls = (self.append.prepare_run(
                     layer.k_new, layer.v_new, *caches, positions,
                     q=layer.q if self.cache.rope else None, cos_sin=layer.cos_sin,
-                    advance=first),
+                    advance=first, **pages),
                     self.attention.prepare_run(layer.q, *caches, lengths, layer.out,
-                                               lse=layer.lse))
+                                               lse=layer.lse, **pages))
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{name}.{exc}") from None
-        return calls, capacity
+        if not self.cache.paged:
+            return calls, capacity, (None, None)
+        # validated by the calls above
+        table = check.device_array("block_table", layer.block_table, self.device)
+        return calls, capacity, (table, check.device_array("k_cache", layer.k_cache,
+                                                           self.device).shape[0])
 
-    def _capacity(self, k_cache: Any, batch: int) -> int:
-        """The cache capacity S_max, checked against the planned host lengths first (a more
-        precise message than the binder's); a malformed cache is left to the binder."""
+    def _capacity(self, k_cache: Any, block_table: Any, batch: int) -> int:
+        """The cache capacity (S_max, or the block table's pages times page_size), checked
+        against the planned host lengths first (a more precise message than the binder's); a
+        malformed cache or table is left to the binder."""
         k = check.device_array("k_cache", k_cache, self.device)
         if k.ndim != 4:
             return 0
-        capacity = layout_strides(self.cache, k)[0]
+        if self.cache.paged:
+            if block_table is None:
+                return 0
+            table = check.device_array("block_table", block_table, self.device)
+            if table.ndim != 2:
+                return 0
+            capacity = table.shape[1] * self.cache.page_size
+        else:
+            capacity = layout_strides(self.cache, k)[0]
         check.host_within("seq_lens", self._host_lengths, batch, capacity - 1,
                           f"the new token must land below the cache capacity S_max={capacity}")
         return capacity
+
+    def bind(self, layers: Sequence[Any], seq_lens: Any) -> "BoundStep":
+        """Validate every layer's buffers and ``seq_lens`` (as ``validate``) and return the
+        step's launches one layer at a time, for a model that runs its own work between layers:
+        ``begin``, ``layer(0)`` .. ``layer(L-1)``, ``end``, all on one stream. Launches nothing;
+        valid until the next ``plan``."""
+        calls, lengths, capacity = self._prepared(layers, seq_lens)
+        return BoundStep(self, calls, lengths, capacity)
 
     # -- run ----------------------------------------------------------------------------------
     def capture(self, layers: Sequence[Any], seq_lens: Any, stream: StreamLike) -> Graph:
@@ -228,7 +280,7 @@ class DecodeStep:
         calls, lengths, capacity = self._prepared(layers, seq_lens)
         self._issue(calls, lengths, capacity, stream)
 
-    def _issue(self, calls: list, seq_lens: DeviceArray, capacity: int,
+    def _issue(self, calls: list, seq_lens: DeviceArray, capacity: dict,
                stream: StreamLike) -> None:
         if not self.fused and self.num_layers > 1:
             self._arrays["positions"][:seq_lens.shape[0]].copy_from(seq_lens, stream)
@@ -236,7 +288,7 @@ class DecodeStep:
             for call in layer_calls:
                 call.launch(stream)
         if self.fused:
-            self.attention.advance_lengths(seq_lens, capacity, stream=stream)
+            self._advance(seq_lens, capacity, stream)
 
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -279,3 +331,47 @@ class DecodeStep:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class BoundStep:
+    """A DecodeStep's validated launches (``DecodeStep.bind``), issued one layer at a time:
+    ``begin(stream)`` (the unfused step's positions copy), ``layer(i, stream)`` in order of i,
+    ``end(stream)`` (the fused step's ``advance_lengths``). Together they issue what ``eager``
+    issues, in its order. Each call checks only that the step was not re-planned or closed."""
+
+    __slots__ = ("_step", "_calls", "_lengths", "_capacity", "_planned")
+
+    def __init__(self, step: DecodeStep, calls: list, lengths: DeviceArray,
+                 capacity: dict) -> None:
+        self._step, self._calls, self._lengths, self._capacity = step, calls, lengths, capacity
+        self._planned = step.attention._generation  # every plan() bumps it
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._calls)
+
+    def begin(self, stream: StreamLike) -> None:
+        """Before layer 0: the unfused step's copy of the positions (nothing when fused)."""
+        step = self._current()
+        if not step.fused and step.num_layers > 1:
+            step._arrays["positions"][:self._lengths.shape[0]].copy_from(self._lengths, stream)
+
+    def layer(self, index: int, stream: StreamLike) -> None:
+        """Layer ``index``'s launches: append_and_run (fused), or append then attention."""
+        self._current()
+        for call in self._calls[index]:
+            call.launch(stream)
+
+    def end(self, stream: StreamLike) -> None:
+        """After the last layer: the fused step's one ``advance_lengths`` (nothing unfused,
+        where layer 0's append advanced them)."""
+        step = self._current()
+        if step.fused:
+            step._advance(self._lengths, self._capacity, stream)
+
+    def _current(self) -> DecodeStep:
+        step = self._step
+        step._require_open()
+        if step.attention._generation != self._planned:
+            raise RuntimeError("BoundStep: the step was planned again; bind the buffers anew")
+        return step

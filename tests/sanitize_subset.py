@@ -307,6 +307,28 @@ case("fused append group 7 masked, cluster merge",
            num_q_heads=14, num_kv_heads=2, rope="gptj", table=True))
 
 
+# -- paged storage (the GPU tests' own cases: each compares with a contiguous twin) -------------
+import test_paged_gpu as paged  # noqa: E402
+
+case("paged decode page 1 hnd fp16 token scales",
+     lambda rng, stream: paged.test_decode_over_pages_equals_contiguous_bitwise_and_the_oracle(
+         rng, stream, 1, "hnd", "token", "float16"))
+case("paged decode page 16 nhd fp32 token scales",
+     lambda rng, stream: paged.test_decode_over_pages_equals_contiguous_bitwise_and_the_oracle(
+         rng, stream, 16, "nhd", "token", "float32"))
+case("paged decode page 256 hnd head scales",
+     lambda rng, stream: paged.test_decode_over_pages_equals_contiguous_bitwise_and_the_oracle(
+         rng, stream, 256, "hnd", "head", "float32"))
+case("paged decode bad page ids", paged.test_bad_page_ids_set_the_flag_and_touch_nothing_outside)
+case("paged fused append across page edges",
+     lambda rng, stream: paged.test_fused_append_over_pages_writes_the_contiguous_bytes(
+         rng, stream, "hnd", 1, "token", "float16"))
+case("paged append and prompt kernels",
+     lambda rng, stream: paged.test_append_and_prompt_kernels_write_pages_as_contiguous(
+         rng, stream, "nhd", 16))
+case("paged bad page ids in every writer", paged.test_bad_page_ids_in_the_writers)
+
+
 # -- driver --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -40,6 +40,11 @@ DECODE_SAMPLE = (
     # Masked kernels, for a group other than the CTA's heads: 3 of 4 heads, 24 as 2 x 12 of 16.
     DecodeVariant(128, 4, "bfloat16", "token", "float16", cluster=True, masked=True),
     DecodeVariant(128, 16, "float16", "token", append=True, masked=True),
+    # Paged: fp16 token scales as words, the two-tile cluster kernel, head_dim 64 and 256.
+    DecodeVariant(128, 4, "float16", "token", "float16", append=True, paged=True),
+    DecodeVariant(128, 8, "bfloat16", "token", cluster=True, tiles=2, paged=True),
+    DecodeVariant(64, 2, "float16", "head", paged=True),
+    DecodeVariant(256, 16, "float16", "token", "float16", append=True, masked=True, paged=True),
 )
 # Their merges (one program per head_dim, heads per CTA, dtype and masked) and the length bump,
 # each a program of its own.
@@ -433,8 +438,10 @@ def test_support_ids_are_the_enums_of_kv_types():
     assert set(support.ROPE_IDS) == set(support.ROPE_STYLES)
     assert cuda_constant("kErrorOutsideCache") == support.ERROR_OUTSIDE_CACHE == 1
     assert cuda_constant("kErrorPromptLength") == support.ERROR_PROMPT_LENGTH == 2
-    assert (lowlevel_fd.ERROR_OUTSIDE_CACHE, lowlevel_fd.ERROR_PROMPT_LENGTH) == (
-        support.ERROR_OUTSIDE_CACHE, support.ERROR_PROMPT_LENGTH)
+    assert cuda_constant("kErrorBadPage") == support.ERROR_BAD_PAGE == 4
+    assert (lowlevel_fd.ERROR_OUTSIDE_CACHE, lowlevel_fd.ERROR_PROMPT_LENGTH,
+            lowlevel_fd.ERROR_BAD_PAGE) == (
+        support.ERROR_OUTSIDE_CACHE, support.ERROR_PROMPT_LENGTH, support.ERROR_BAD_PAGE)
 
 
 # (field, ctypes type, byte offset): cu/decode_params.cuh, written out field by field.
@@ -458,7 +465,11 @@ DECODE_PARAMS_LAYOUT = (
        ("v_new_batch_stride", ctypes.c_int64, 256), ("v_new_head_stride", ctypes.c_int64, 264),
        # the query heads: the group, served by head_chunks CTAs of chunk_heads heads each
        ("group_size", ctypes.c_int32, 272), ("head_chunks", ctypes.c_int32, 276),
-       ("chunk_heads", ctypes.c_int32, 280)])
+       ("chunk_heads", ctypes.c_int32, 280),
+       # paged storage (cu/cache_pages.cuh)
+       ("block_table", ctypes.c_uint64, 288), ("table_stride", ctypes.c_int64, 296),
+       ("scale_token_stride", ctypes.c_int64, 304), ("num_pages", ctypes.c_int32, 312),
+       ("page_shift", ctypes.c_int32, 316)])
 
 
 def test_decode_params_layout_field_by_field():
@@ -466,7 +477,7 @@ def test_decode_params_layout_field_by_field():
         (name, ctype) for name, ctype, _ in DECODE_PARAMS_LAYOUT]
     assert {name: getattr(DecodeParams, name).offset for name, _ in DecodeParams._fields_} == {
         name: offset for name, _, offset in DECODE_PARAMS_LAYOUT}
-    assert ctypes.sizeof(DecodeParams) == 288  # 284 bytes of fields, padded to the 8 of int64
+    assert ctypes.sizeof(DecodeParams) == 320
 
 
 def test_decode_params_match_the_cuda_struct_field_by_field():

@@ -86,4 +86,4 @@ def test_tile_config_cta_heads_is_one_of_the_kernels(cta_heads):
 def test_decode_params_carry_the_group_after_the_append_fields():
     fields = dict((name, getattr(DecodeParams, name)) for name, _ in DecodeParams._fields_)
     assert fields["group_size"].offset == 272 and fields["head_chunks"].offset == 276
-    assert fields["chunk_heads"].offset == 280 and ctypes.sizeof(DecodeParams) == 288
+    assert fields["chunk_heads"].offset == 280 and ctypes.sizeof(DecodeParams) == 320

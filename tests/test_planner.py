@@ -157,10 +157,10 @@ def test_workspace_bound_property(max_batch, batch_fraction, num_kv_heads, sm_co
 # -- variants ----------------------------------------------------------------------------------
 def test_variant_names_are_the_template_instantiations():
     # <head_dim, heads per CTA, warps, scale mode id, q type, scale type, stages, cluster,
-    #  tiles, append, masked>
+    #  tiles, append, masked, paged>
     variant = DecodeVariant(128, 4, "float16", "token", "float32", num_warps=4)
     assert variant.split_kernel == ("llfd::decode_split<128, 4, 4, 2, llfd::f16, float, 2, "
-                                    "false, 1, false, false>")
+                                    "false, 1, false, false, false>")
     assert variant.kernel_names == (variant.split_kernel,), "the split kernel alone"
     # The merge is a program of its own, one per (head_dim, heads per CTA, dtype, masked).
     assert CombineVariant(128, 4, "float16").kernel_names == (
@@ -172,7 +172,10 @@ def test_variant_names_are_the_template_instantiations():
         "llfd::decode_combine<64, 8, llfd::bf16, false>",)
     # A group other than the CTA's heads (masked heads or head chunks): its own instantiations.
     masked = DecodeVariant(64, 8, "bfloat16", "token", "float16", num_warps=8, masked=True)
-    assert masked.split_kernel == bf16.split_kernel[:-len("false>")] + "true>"
+    assert masked.split_kernel == bf16.split_kernel[:-len("false, false>")] + "true, false>"
+    # Over a paged cache (the last template argument).
+    paged = DecodeVariant(64, 8, "bfloat16", "token", "float16", num_warps=8, paged=True)
+    assert paged.split_kernel == bf16.split_kernel[:-len("false>")] + "true>"
     assert CombineVariant(64, 8, "bfloat16", True).kernel_names == (
         "llfd::decode_combine<64, 8, llfd::bf16, true>",)
     fp32_scales = DecodeVariant(64, 8, "bfloat16", "token", "float32", num_warps=8)

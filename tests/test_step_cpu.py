@@ -148,7 +148,8 @@ def test_good_buffers_pass_as_mappings_or_layer_buffers(fused):
     step = planned(fused=fused)
     assert step.validate(given, SEQ_LENS) is None
     calls, lengths, capacity = step._prepared(given, SEQ_LENS)
-    assert len(calls) == LAYERS and lengths.ptr == SEQ_LENS.ptr and capacity == CAPACITY
+    assert len(calls) == LAYERS and lengths.ptr == SEQ_LENS.ptr
+    assert capacity == {"capacity": CAPACITY, "block_table": None, "num_pages": None}
     outs = [given[0]["out"], given[1].out, given[2]["out"]]
     for layer_calls, out in zip(calls, outs):
         kinds = [type(call) for call in layer_calls]
@@ -329,7 +330,7 @@ def test_each_layer_appends_at_l_and_attends_l_plus_1_and_lengths_advance_once(
     step = planned(num_layers=num_layers, fused=False)
     calls, lengths, planned_capacity = step._prepared(
         [layer(capacity=capacity) for _ in range(num_layers)], SEQ_LENS)
-    assert planned_capacity == capacity
+    assert planned_capacity["capacity"] == capacity
     sim = Device32(step, SEQ_LENS, start, capacity)  # the device lengths the step meets
     monkeypatch.setattr(DeviceArray, "copy_from", lambda dst, src, stream=None:
                         sim.copy(dst, src, stream))

@@ -28,7 +28,7 @@ def make_plan(**overrides) -> DecodePlan:
 def test_spec_defaults():
     spec = KVCacheSpec(HKV, D)
     assert dataclasses.astuple(spec) == (HKV, D, "bnsh", "token", "float32", None, 10000.0,
-                                         "int8")
+                                         "int8", None)
     assert spec.token_scales and spec.scale_storage == "float"
 
 
@@ -51,7 +51,7 @@ def test_spec_defaults():
     ({"head_dim": None}, TypeError, r"^head_dim: expected an int, got NoneType None$"),
     # kv_layout
     ({"kv_layout": "nhsd"}, ValueError,
-     r"^kv_layout: expected one of \['bnsh', 'bsnh'\], got 'nhsd'$"),
+     r"^kv_layout: expected one of \['bnsh', 'bsnh', 'nhd', 'hnd'\], got 'nhsd'$"),
     ({"kv_layout": "BNSH"}, ValueError, r"^kv_layout: expected one of .*got 'BNSH'$"),
     ({"kv_layout": None}, ValueError, r"^kv_layout: expected one of .*got None$"),
     # scale_mode
@@ -264,7 +264,7 @@ def test_decode_step_create_builds_the_spec_form(fused):
     ({"head_dim": 96}, ValueError, r"^head_dim: expected one of \[64, 128, 256\], got 96$"),
     ({"num_kv_heads": 0}, ValueError,
      r"^num_kv_heads: expected an int in \[1, 2147483648\), got 0$"),
-    ({"kv_layout": "nhsd"}, ValueError, r"^kv_layout: expected one of \['bnsh', 'bsnh'\]"),
+    ({"kv_layout": "nhsd"}, ValueError, r"^kv_layout: expected one of \['bnsh', 'bsnh', 'nhd', 'hnd'\]"),
     ({"scale_mode": "channel"}, ValueError, r"^scale_mode: expected one of"),
     ({"scale_mode": "head", "scale_dtype": "float16"}, ValueError,
      r"^scale_dtype: expected one of \['float32'\], got 'float16'$"),
@@ -287,7 +287,7 @@ def test_create_reports_the_spec_messages(create, options, error, message):
     ({"num_q_heads": 10, "num_kv_heads": 4},
      r"num_q_heads: expected a multiple of num_kv_heads=4, got 10"),
     ({"num_kv_heads": 0}, r"^num_kv_heads: expected an int in \[1, 2147483648\), got 0$"),
-    ({"kv_layout": "nhsd"}, r"kv_layout: expected one of \['bnsh', 'bsnh'\], got 'nhsd'"),
+    ({"kv_layout": "nhsd"}, r"kv_layout: expected one of \['bnsh', 'bsnh', 'nhd', 'hnd'\], got 'nhsd'"),
     ({"scale_mode": "channel"},
      r"scale_mode: expected one of \['tensor', 'head', 'token'\], got 'channel'"),
     ({"dtype": "float32"}, r"^dtype: expected one of \['float16', 'bfloat16'\], got 'float32'"),
@@ -549,7 +549,7 @@ def test_strided_views_bind_their_own_strides():
                                                  "v_cache": long_v})
     assert (params.q_batch_stride, params.q_head_stride) == (2 * HQ * D, D)
     assert (params.kv_batch_stride, params.kv_head_stride) == (HKV * 1024 * D, 1024 * D)
-    assert ctypes.sizeof(params) == 288
+    assert ctypes.sizeof(params) == 320
 
 
 # -- run(): the validated-arguments memo -------------------------------------------------------

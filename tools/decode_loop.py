@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", default="32,8", help="query,kv heads (default 32,8)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--scale-mode", choices=MODE_NAMES, default="token-fp32")
-    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="bnsh")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="bnsh",
+                        help="bnsh/bsnh contiguous; nhd/hnd paged (--page-size)")
+    parser.add_argument("--page-size", type=int, default=0,
+                        help="paged caches: tokens per page (pages in random physical order, "
+                             "one block table for every layer); 0: contiguous")
     parser.add_argument("--rope", choices=[str(style).lower() for style in ROPE_STYLES],
                         default="neox")
     parser.add_argument("--init", choices=("prompt", "random"), default="prompt",
@@ -64,16 +68,27 @@ class Loop:
         self.scale_mode, self.scale_dtype = SCALE_MODES[args.scale_mode]
         self.rope = None if args.rope == "none" else args.rope
         B, Hq, Hkv, D = args.batch, self.num_q_heads, self.num_kv_heads, args.head_dim
+        ps = args.page_size
         self.cache = KVCacheSpec(Hkv, D, kv_layout=args.kv_layout, scale_mode=self.scale_mode,
-                                 scale_dtype=self.scale_dtype, rope=self.rope)
+                                 scale_dtype=self.scale_dtype, rope=self.rope,
+                                 page_size=ps or None)
         total = args.context + args.warmup + args.steps
         self.capacity = -(-total // 64) * 64
         self.host_lengths = np.full(B, args.context, np.int32)
         self.rng = np.random.default_rng(args.seed)
-        shape = ((B, Hkv, self.capacity, D) if args.kv_layout == "bnsh"
-                 else (B, self.capacity, Hkv, D))
+        shape = {"bnsh": (B, Hkv, self.capacity, D), "bsnh": (B, self.capacity, Hkv, D)}.get(
+            args.kv_layout)
         scale_shape = (B, Hkv, self.capacity) if self.scale_mode == "token" else (
             (1,) if self.scale_mode == "tensor" else (Hkv,))
+        self.pages = {}
+        if ps:  # pools of B * capacity / ps pages, in random physical order
+            per_seq = -(-self.capacity // ps)
+            count = B * per_seq
+            self.block_table = self.rng.permutation(count).reshape(B, per_seq).astype(np.int32)
+            shape = (count, ps, Hkv, D) if args.kv_layout == "nhd" else (count, Hkv, ps, D)
+            if self.scale_mode == "token":
+                scale_shape = (count, ps, Hkv) if args.kv_layout == "nhd" else (count, Hkv, ps)
+            self.pages = {"block_table": DeviceArray.from_numpy(self.block_table, device)}
         scale_dtype = np.dtype(self.scale_dtype)
         self.table = None if self.rope is None else DeviceArray.from_numpy(
             rope_table(self.capacity, D), device)
@@ -95,8 +110,9 @@ class Loop:
                                early_reads=not args.no_early_reads, device=device)
         self.step.plan(self.host_lengths)  # the tokens cached before the first step
         self.fill_context()
-        self.buffers = [LayerBuffers(cos_sin=self.table, **{name: a[name] for name in (
-            "q", "k_new", "v_new", "out", *CACHES)}) for a in self.layers]
+        self.buffers = [LayerBuffers(cos_sin=self.table, **self.pages, **{
+            name: a[name] for name in ("q", "k_new", "v_new", "out", *CACHES)})
+            for a in self.layers]
         for arrays in self.layers:
             saved = {name: DeviceArray.empty(arrays[name].shape, arrays[name].dtype, device)
                      for name in CACHES}
@@ -137,7 +153,7 @@ class Loop:
                 k, v = (DeviceArray.from_numpy(x, self.device) for x in prompt)
                 quantizer.run(k, v, *(arrays[name] for name in CACHES), self.seq_lens,
                               cos_sin=self.table, host_prompt_lens=self.host_lengths,
-                              stream=self.stream)
+                              stream=self.stream, **self.pages)
                 self.stream.synchronize()  # before k and v are freed
                 k.close()
                 v.close()
@@ -165,9 +181,18 @@ class Loop:
         for arrays in (*self.layers, *self.snapshot):
             for array in arrays.values():
                 array.close()
-        for array in (self.seq_lens, self.table):
+        for array in (self.seq_lens, self.table, *self.pages.values()):
             if array is not None:
                 array.close()
+
+    def contiguous(self, name: str, pool: np.ndarray) -> np.ndarray:
+        """A paged layer's cache or scales as bnsh ``[B, Hkv, S, ...]`` (the oracle's form)."""
+        pages = pool[self.block_table]  # [B, P, page, H, ...] (nhd) or [B, P, H, page, ...]
+        if self.args.kv_layout == "nhd":
+            pages = np.moveaxis(pages, 3, 1)  # [B, H, P, page, ...]
+        else:
+            pages = np.moveaxis(pages, 2, 1)
+        return pages.reshape(pages.shape[0], pages.shape[1], -1, *pages.shape[4:])
 
 
 def timed_pass(loop: Loop, launch) -> tuple[list[float], list[dict[str, np.ndarray]]]:
@@ -194,10 +219,14 @@ def oracle_error(loop: Loop, state: list[dict[str, np.ndarray]]) -> float:
         positions = state[-1]["seq_lens"].astype(np.int64) - 1
         table = loop.table.numpy(stream=loop.stream)
         q = rope_ref(q, positions, style=loop.rope, cos_sin=table).astype(np.float16)
-    ref, _ = decode_attention_ref(q.astype(np.float32), layer["k_cache"],
-                                  layer["v_cache"], layer["k_scale"], layer["v_scale"],
-                                  state[-1]["seq_lens"], kv_layout=loop.args.kv_layout,
-                                  scale_mode=loop.scale_mode)
+    caches = [layer[name] for name in CACHES]
+    layout = loop.args.kv_layout
+    if loop.args.page_size:
+        caches = [loop.contiguous(name, x) if name.endswith("cache") or
+                  loop.scale_mode == "token" else x for name, x in zip(CACHES, caches)]
+        layout = "bnsh"
+    ref, _ = decode_attention_ref(q.astype(np.float32), *caches, state[-1]["seq_lens"],
+                                  kv_layout=layout, scale_mode=loop.scale_mode)
     return float(np.abs(layer["out"].astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
@@ -235,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{L} layers, B={args.batch}, {args.context} tokens of context (+{args.warmup} "
           f"warm-up, +{args.steps} timed steps), H={loop.num_q_heads}/{loop.num_kv_heads} "
           f"D={args.head_dim} {args.kv_layout} {args.scale_mode} rope={args.rope} "
-          f"init={args.init} {'unfused' if args.unfused else 'fused'}")
+          f"init={args.init} {'unfused' if args.unfused else 'fused'}"
+          + (f" page {args.page_size} (random order)" if args.page_size else ""))
     print(f"L2 honesty: {kv_bytes / 2**20:.1f} MiB of int8 K/V per step in {L} distinct "
           f"caches, L2 = {device.info.l2_bytes / 2**20:.0f} MiB")
     print(f"graph: {sum(kinds.values())} nodes "

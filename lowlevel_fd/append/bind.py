@@ -34,9 +34,10 @@ def batch_size(name: str, array: DeviceArray, max_batch: int) -> int:
 
 
 def caches(runner: "KernelRunner", k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
-           batch: int, cos_sin: Any) -> tuple[CacheArrays, int, int]:
-    """The written caches and scales and the RoPE table: (arrays, capacity, table address)."""
-    arrays = wrap_cache(runner.device, k_cache, v_cache, k_scale, v_scale)
+           batch: int, cos_sin: Any, block_table: Any) -> tuple[CacheArrays, int, int]:
+    """The written caches and scales (paged: and the block table) and the RoPE table:
+    (arrays, capacity, RoPE table address)."""
+    arrays = wrap_cache(runner.device, k_cache, v_cache, k_scale, v_scale, block_table)
     capacity = check_cache(runner.cache, arrays, batch, written=True)
     return arrays, capacity, rope_table(runner.cache, runner.device, cos_sin, capacity)
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ctypes
 
+from ..core.binding import PAGE_FIELDS
+
 _POINTERS = ("k_new", "v_new", "q", "q_out", "k_cache", "v_cache", "k_scale", "v_scale",
              "seq_lens", "seq_lens_out", "cos_sin", "error_flags")
 _STRIDES = ("k_batch_stride", "k_head_stride", "k_token_stride",
@@ -17,7 +19,8 @@ class AppendParams(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_uint64) for name in _POINTERS]
                 + [(name, ctypes.c_int64) for name in _STRIDES]
                 + [("rope_theta", ctypes.c_float)]
-                + [(name, ctypes.c_int32) for name in _INTS])
+                + [(name, ctypes.c_int32) for name in _INTS]
+                + PAGE_FIELDS)
 
 
-assert ctypes.sizeof(AppendParams) == 240, "must match sizeof(llfd::AppendParams)"
+assert ctypes.sizeof(AppendParams) == 272, "must match sizeof(llfd::AppendParams)"

@@ -40,16 +40,17 @@ class AppendPlan(KernelRunner):
     def create(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
                dtype: str = "float16", kv_layout: str = "bnsh", scale_mode: str = "token",
                scale_dtype: str = "float32", rope: str | None = None,
-               rope_theta: float = 10000.0, device: Device | None = None) -> "AppendPlan":
+               rope_theta: float = 10000.0, page_size: int | None = None,
+               device: Device | None = None) -> "AppendPlan":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta)
+                           rope_theta, page_size=page_size)
         return cls(spec, num_q_heads, max_batch=max_batch, dtype=dtype, device=device)
 
     def run(self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, k_scale: Any,
             v_scale: Any, seq_lens: Any, *, q: Any = None, q_out: Any = None,
             cos_sin: Any = None, advance: bool = False, host_seq_lens: Any = None,
-            stream: StreamLike) -> None:
+            block_table: Any = None, stream: StreamLike) -> None:
         """Append ``k_new``/``v_new`` (``[B, Hkv, D]`` fp16/bf16) at ``seq_lens[b]`` (int32
         ``[B]`` on the device: the tokens cached so far) of the int8 caches and their scales
         (see DecodePlan.run).
@@ -58,35 +59,38 @@ class AppendPlan(KernelRunner):
         overlap it), RoPE specs only. cos_sin: fp32 ``[max_pos >= S_max, D/2, 2]``; without it
         the angles come from ``rope_theta``. advance: ``seq_lens[b] += 1`` on the device.
         host_seq_lens: the host's copy of the lengths, if it has one: checked against the
-        capacity before launching. Enqueued on ``stream``; returns at once.
+        capacity before launching. block_table: int32 ``[B, max_pages]`` on the device for a
+        paged spec (the token goes to page ``block_table[b][pos // page_size]``, slot
+        ``pos % page_size``; a page id outside the pool writes nothing and sets
+        ERROR_BAD_PAGE). Enqueued on ``stream``; returns at once.
         """
         self._require_open()
         grid = self._bind(self._params, k_new, v_new, k_cache, v_cache, k_scale, v_scale,
-                          seq_lens, q, q_out, cos_sin, advance, host_seq_lens)
+                          seq_lens, q, q_out, cos_sin, advance, host_seq_lens, block_table)
         if grid[0]:
             self._launch(grid, stream)
 
     def prepare_run(self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, k_scale: Any,
                     v_scale: Any, seq_lens: Any, *, q: Any = None, q_out: Any = None,
                     cos_sin: Any = None, advance: bool = False,
-                    host_seq_lens: Any = None) -> PreparedAppend:
+                    host_seq_lens: Any = None, block_table: Any = None) -> PreparedAppend:
         """``run``'s arguments, validated once: ``launch(stream)`` on the result issues the
         same launch with no further checks. Loads the kernel (so the call can be captured)."""
         self.load()
         params = AppendParams.from_buffer_copy(self._params)
         grid = self._bind(params, k_new, v_new, k_cache, v_cache, k_scale, v_scale, seq_lens,
-                          q, q_out, cos_sin, advance, host_seq_lens)
+                          q, q_out, cos_sin, advance, host_seq_lens, block_table)
         return PreparedAppend(self, params, grid)
 
     def _bind(self, p: AppendParams, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
               k_scale: Any, v_scale: Any, seq_lens: Any, q: Any, q_out: Any, cos_sin: Any,
-              advance: Any, host_seq_lens: Any) -> tuple[int]:
+              advance: Any, host_seq_lens: Any, block_table: Any) -> tuple[int]:
         """Check everything, then write it into ``p``; the launch grid."""
         k = bind.token_rows("k_new", k_new, self, self.num_kv_heads, "[B, Hkv, D]")
         batch = bind.batch_size("k_new", k, self.max_batch)
         v = bind.token_rows("v_new", v_new, self, self.num_kv_heads, "[B, Hkv, D]", batch)
         arrays, capacity, table = bind.caches(self, k_cache, v_cache, k_scale, v_scale, batch,
-                                              cos_sin)
+                                              cos_sin, block_table)
         lengths = check.device_lengths("seq_lens", seq_lens, self.device, batch)
         q_ptr, q_out_ptr, q_strides = bind.query(self, self.num_q_heads, q, q_out, batch)
         check.flag("advance", advance)

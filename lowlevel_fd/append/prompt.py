@@ -40,49 +40,55 @@ class PromptQuantizer(KernelRunner):
                prompt_layout: str = "bsnh", dtype: str = "float16", kv_layout: str = "bnsh",
                scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
+               page_size: int | None = None,
                device: Device | None = None) -> "PromptQuantizer":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta)
+                           rope_theta, page_size=page_size)
         return cls(spec, max_batch=max_batch, prompt_layout=prompt_layout, dtype=dtype,
                    device=device)
 
     def run(self, k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             prompt_lens: Any, *, seq_lens_out: Any = None, cos_sin: Any = None,
-            host_prompt_lens: Any = None, stream: StreamLike) -> None:
+            host_prompt_lens: Any = None, block_table: Any = None,
+            stream: StreamLike) -> None:
         """Quantize ``k``/``v`` (fp16/bf16 ``[B, S, Hkv, D]`` for prompt_layout 'bsnh',
         ``[B, Hkv, S, D]`` for 'bnsh') into the caches at positions ``0..prompt_lens[b]-1``
         (int32 ``[B]`` on the device). seq_lens_out: int32 ``[B]`` that receives the lengths
-        written (may be prompt_lens itself). host_prompt_lens: the host's copy, if any, checked
+        written (may be prompt_lens itself). block_table: int32 ``[B, max_pages]`` for a paged
+        spec: token t of sequence b goes to page ``block_table[b][t // page_size]`` (the table
+        attention reads, so no second mapping to keep in sync). host_prompt_lens: the host's
+        copy, if any, checked
         against S and S_max before launching. Enqueued on ``stream``; returns at once.
         """
         self._require_open()
         grid = self._bind(self._params, k, v, k_cache, v_cache, k_scale, v_scale, prompt_lens,
-                          seq_lens_out, cos_sin, host_prompt_lens)
+                          seq_lens_out, cos_sin, host_prompt_lens, block_table)
         if all(grid):
             self._launch(grid, stream)
 
     def prepare_run(self, k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any,
                     v_scale: Any, prompt_lens: Any, *, seq_lens_out: Any = None,
-                    cos_sin: Any = None, host_prompt_lens: Any = None) -> PreparedAppend:
+                    cos_sin: Any = None, host_prompt_lens: Any = None,
+                    block_table: Any = None) -> PreparedAppend:
         """``run``'s arguments, validated once: ``launch(stream)`` on the result issues the
         same launch with no further checks. Loads the kernel (so the call can be captured)."""
         self.load()
         params = AppendParams.from_buffer_copy(self._params)
         grid = self._bind(params, k, v, k_cache, v_cache, k_scale, v_scale, prompt_lens,
-                          seq_lens_out, cos_sin, host_prompt_lens)
+                          seq_lens_out, cos_sin, host_prompt_lens, block_table)
         return PreparedAppend(self, params, grid)
 
     def _bind(self, p: AppendParams, k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any,
               v_scale: Any, prompt_lens: Any, seq_lens_out: Any, cos_sin: Any,
-              host_prompt_lens: Any) -> tuple[int, int]:
+              host_prompt_lens: Any, block_table: Any) -> tuple[int, int]:
         """Check everything, then write it into ``p``; the launch grid."""
         k_rows = self._prompt("k", k, None)
         batch, tokens = k_rows.shape[0], k_rows.shape[self._token_axis]
         bind.batch_size("k", k_rows, self.max_batch)
         v_rows = self._prompt("v", v, (batch, tokens))
         arrays, capacity, table = bind.caches(self, k_cache, v_cache, k_scale, v_scale, batch,
-                                              cos_sin)
+                                              cos_sin, block_table)
         lengths = check.device_lengths("prompt_lens", prompt_lens, self.device, batch)
         out = 0
         if seq_lens_out is not None:
@@ -127,7 +133,8 @@ class PromptQuantizer(KernelRunner):
 def quantize_prompt(cache: KVCacheSpec, k: Any, v: Any, k_cache: Any, v_cache: Any,
                     k_scale: Any, v_scale: Any, prompt_lens: Any, *,
                     prompt_layout: str = "bsnh", cos_sin: Any = None, seq_lens_out: Any = None,
-                    host_prompt_lens: Any = None, stream: StreamLike) -> PromptQuantizer:
+                    host_prompt_lens: Any = None, block_table: Any = None,
+                    stream: StreamLike) -> PromptQuantizer:
     """One-off prompt quantization: builds a PromptQuantizer for ``k``'s dtype, batch and
     device, runs it and returns it (read ``error_flags(stream=...)`` from it). Reuse a
     PromptQuantizer instead when quantizing repeatedly: this allocates its error word."""
@@ -141,5 +148,5 @@ def quantize_prompt(cache: KVCacheSpec, k: Any, v: Any, k_cache: Any, v_cache: A
                                 device=array.device)
     quantizer.run(k, v, k_cache, v_cache, k_scale, v_scale, prompt_lens,
                   seq_lens_out=seq_lens_out, cos_sin=cos_sin,
-                  host_prompt_lens=host_prompt_lens, stream=stream)
+                  host_prompt_lens=host_prompt_lens, block_table=block_table, stream=stream)
     return quantizer

@@ -11,11 +11,13 @@ from . import validate as check
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The cache that a model's plans read and write: ``num_kv_heads`` KV heads of ``head_dim``
-    int8 values per token, stored as ``kv_layout`` (``"bnsh"`` = ``[B, Hkv, S_max, D]``,
-    ``"bsnh"`` = ``[B, S_max, Hkv, D]``), dequantized as ``int8 * scale`` with one fp32 scale
-    per tensor (``scale_mode="tensor"``), per KV head (``"head"``) or an fp32/fp16 scale per
-    token and KV head (``"token"``, ``scale_dtype``), and, when ``rope`` is ``"neox"`` or
-    ``"gptj"``, keys stored rotated by RoPE with base ``rope_theta``.
+    int8 values per token, stored as ``kv_layout``: contiguous per sequence (``"bnsh"`` =
+    ``[B, Hkv, S_max, D]``, ``"bsnh"`` = ``[B, S_max, Hkv, D]``) or in pages of ``page_size``
+    tokens that a block table assigns to sequences (``"nhd"`` = ``[num_pages, page_size, Hkv,
+    D]``, ``"hnd"`` = ``[num_pages, Hkv, page_size, D]``), dequantized as ``int8 * scale``
+    with one fp32 scale per tensor (``scale_mode="tensor"``), per KV head (``"head"``) or an
+    fp32/fp16 scale per token and KV head (``"token"``, ``scale_dtype``), and, when ``rope``
+    is ``"neox"`` or ``"gptj"``, keys stored rotated by RoPE with base ``rope_theta``.
 
     Every field is checked here, once; a plan built on the spec checks only its own options.
     """
@@ -28,6 +30,7 @@ class KVCacheSpec:
     rope: str | None = None
     rope_theta: float = 10000.0
     cache_dtype: str = "int8"
+    page_size: int | None = None  # paged layouts: tokens per page, a power of two 1..256
 
     def __post_init__(self) -> None:
         num_kv_heads = check.positive("num_kv_heads", self.num_kv_heads)
@@ -42,10 +45,27 @@ class KVCacheSpec:
         theta = check.real("rope_theta", self.rope_theta)
         if not theta > 1.0:
             raise ValueError(f"rope_theta: expected a finite base > 1, got {self.rope_theta!r}")
+        page_size = self.page_size
+        if self.kv_layout in support.PAGED_LAYOUTS:
+            if page_size is None:
+                raise ValueError(f"page_size: kv_layout='{self.kv_layout}' is paged; expected "
+                                 f"a page size in {list(support.PAGE_SIZES)}, got None")
+            page_size = check.integer("page_size", page_size)
+            check.choice("page_size", page_size, support.PAGE_SIZES)
+        elif page_size is not None:
+            raise ValueError(f"page_size: kv_layout='{self.kv_layout}' is contiguous; expected "
+                             f"None (or a paged layout {list(support.PAGED_LAYOUTS)}), got "
+                             f"{page_size!r}")
+        object.__setattr__(self, "page_size", page_size)
         for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("scale_dtype", scale_dtype), ("cache_dtype", cache_dtype),
                             ("rope_theta", theta)):
             object.__setattr__(self, name, value)  # normalised: plain ints, floats and names
+
+    @property
+    def paged(self) -> bool:
+        """The cache lives in pages (``block_table`` arguments say which)."""
+        return self.page_size is not None
 
     @property
     def token_scales(self) -> bool:

@@ -13,7 +13,12 @@ MAX_GROUP = 128
 GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 DTYPES = ("float16", "bfloat16")  # q, out and the new K/V rows
 CACHE_DTYPES = ("int8",)
-KV_LAYOUTS = ("bnsh", "bsnh")     # [B, Hkv, S, D] | [B, S, Hkv, D], any 16-byte strides
+CONTIGUOUS_LAYOUTS = ("bnsh", "bsnh")  # [B, Hkv, S, D] | [B, S, Hkv, D], any 16-byte strides
+# Paged pools indexed by a block table: [num_pages, page_size, Hkv, D] | [num_pages, Hkv,
+# page_size, D], any 16-byte strides; a page holds PAGE_SIZES tokens.
+PAGED_LAYOUTS = ("nhd", "hnd")
+KV_LAYOUTS = CONTIGUOUS_LAYOUTS + PAGED_LAYOUTS
+PAGE_SIZES = tuple(1 << i for i in range(9))  # 1 .. 256
 PROMPT_LAYOUTS = ("bsnh", "bnsh")
 SCALE_MODES = ("tensor", "head", "token")
 # Per-tensor and per-head scales are fp32; per-token-per-head scales fp32 or fp16.
@@ -27,6 +32,7 @@ ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}             # enum RopeStyle
 # Bits of a plan's error word (kError* in kv_types.cuh).
 ERROR_OUTSIDE_CACHE = 1  # a length or position outside [0, capacity): clamped, nothing written
 ERROR_PROMPT_LENGTH = 2  # a prompt length < 0 or > the prompt array's S: clamped
+ERROR_BAD_PAGE = 4       # a block-table page id outside [0, num_pages): never dereferenced
 
 # -- C++ spellings of the template arguments ----------------------------------------------------
 CXX_DTYPES = {"float16": "llfd::f16", "bfloat16": "llfd::bf16"}

@@ -9,6 +9,7 @@
 // in flight matter more than anything else. RoPE and the K that it feeds are fp32; the rotated
 // q is rounded once to the input dtype.
 #include "append_params.cuh"
+#include "cache_pages.cuh"
 #include "rows.cuh"
 
 namespace llfd {
@@ -69,12 +70,17 @@ __global__ void __launch_bounds__(kThreads) append_token(const __grid_constant__
     if (threadIdx.x == 0) atomicOr(p.error_flags, kErrorOutsideCache);
     return;
   }
+  int64_t cache_row, scale_base;  // head 0 of the token (cache_pages.cuh)
+  if (!locate_token(p, b, 0, pos, cache_row, scale_base)) {  // a page id out of range
+    if (threadIdx.x == 0) atomicOr(p.error_flags, kErrorBadPage);
+    return;
+  }
+  cache_row += 8 * lane;
   if constexpr (ROPE != kRopeNone) {
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += kThreads)
       rope_cs[i] = rope_coefficients<HEAD_DIM>(p, pos, i);
     __syncthreads();
   }
-  const int64_t cache_row = b * p.kv_batch_stride + pos * p.kv_token_stride + 8 * lane;
 
   for (int base = 0; base < rows; base += R::kRowsPerRound) {  // uniform across the CTA
     if (base > 0) load_round(base);
@@ -99,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) append_token(const __grid_constant__
       const bool kv = is_k || is_v;
       void* scales = is_k ? p.k_scale : p.v_scale;
       const float scale = kv ? given_scale<SCALE_MODE>(scales, head) : 0.f;
-      const int64_t scale_index = b * p.scale_batch_stride + head * p.scale_head_stride + pos;
+      const int64_t scale_index = scale_base + head * p.scale_head_stride;
       float dequant;
       quantize_row<HEAD_DIM, SCALE_MODE, ScaleT>(
           x, kv, scale, (is_k ? p.k_cache : p.v_cache) + cache_row + head * p.kv_head_stride,
@@ -177,13 +183,13 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
                              is_k && active);
       void* scales = is_k ? p.k_scale : p.v_scale;
       const float scale = active ? given_scale<SCALE_MODE>(scales, head) : 0.f;
-      const int64_t offset = b * p.kv_batch_stride + head * p.kv_head_stride +
-                             t * p.kv_token_stride + 8 * lane;
+      int64_t offset = 0, scale_index = 0;
+      bool located = active && locate_token(p, b, head, t, offset, scale_index);
+      if (active && !located) atomicOr(p.error_flags, kErrorBadPage);
       float dequant;
       quantize_row<HEAD_DIM, SCALE_MODE, ScaleT>(
-          x, active, scale, (is_k ? p.k_cache : p.v_cache) + offset,
-          static_cast<ScaleT*>(scales) + b * p.scale_batch_stride + head * p.scale_head_stride + t,
-          lane, dequant);
+          x, located, scale, (is_k ? p.k_cache : p.v_cache) + offset + 8 * lane,
+          static_cast<ScaleT*>(scales) + scale_index, lane, dequant);
     }
   }
 }

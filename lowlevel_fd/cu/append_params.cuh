@@ -32,8 +32,15 @@ struct AppendParams {
   int32_t capacity;         // S_max: tokens per sequence the cache holds
   int32_t prompt_tokens;    // prompt: S, the token extent of k_new/v_new
   int32_t advance;          // append: 1 = seq_lens[b] += 1 after the token is written
+  // Paged storage (cache_pages.cuh; null block_table: contiguous). kv_batch_stride and
+  // scale_batch_stride are then the pools' page strides.
+  const int32_t* block_table;  // [>= B, table_stride]: page ids
+  int64_t table_stride;        // elements
+  int64_t scale_token_stride;  // elements (per-token mode)
+  int32_t num_pages;
+  int32_t page_shift;          // log2(page_size)
 };
 
-static_assert(sizeof(AppendParams) == 240, "keep in sync with lowlevel_fd/append/params.py");
+static_assert(sizeof(AppendParams) == 272, "keep in sync with lowlevel_fd/append/params.py");
 
 }  // namespace llfd

@@ -34,8 +34,10 @@ namespace llfd {
 // the new tokens' positions.
 // MASKED: the query group is not GROUP: fewer heads (the rest masked) or more (chunks of CTAs
 // per KV head), from DecodeParams' group fields at run time (HeadChunk).
+// PAGED: the cache is in pages (cache_pages.cuh): every row's page comes from the block table,
+// loaded a tile ahead (PagedTiles, decode_pipeline.cuh).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
-          int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED>
+          int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED, bool PAGED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 decode_split(const __grid_constant__ DecodeParams p) {
   using G = Geometry<HEAD_DIM>;
@@ -43,7 +45,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   static_assert(STAGES >= 2, "at least double buffering");
   constexpr int kBlocks = GROUP > 8 ? 2 : 1;  // head blocks of 8 (the mma's N)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
-  using S = Stage<HEAD_DIM, ScaleT, TILES>;
+  using S = Stage<HEAD_DIM, ScaleT, TILES, PAGED>;
   static_assert(TILES == 1 || TILES == 2, "one or two tiles per step");
   // Dynamic shared memory: the warps' pipelines, reused after the loop for the warps'
   // accumulator quads (decode_merge.cuh) and then for the global split merge; a cluster's
@@ -167,6 +169,24 @@ decode_split(const __grid_constant__ DecodeParams p) {
   const int64_t scale_offset = b * p.scale_batch_stride + kvh * p.scale_head_stride;
   const ScaleT* ks_tokens = static_cast<const ScaleT*>(p.k_scale) + scale_offset;
   const ScaleT* vs_tokens = static_cast<const ScaleT*>(p.v_scale) + scale_offset;
+  const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
+  auto pipe_base = [&](int index) __attribute__((always_inline)) {
+    return pipe + index * S::kBytes;
+  };
+  constexpr int kStep = 16 * TILES * NUM_WARPS;
+  const int first = start + 16 * TILES * warp;
+  typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh);
+  // Issue the tile at t into stage `index`; a paged lane then fetches the next tile's page ids.
+  auto issue = [&](int index, int t) __attribute__((always_inline)) {
+    if constexpr (PAGED) {
+      pager.issue(pipe_base(index), index, t, end, lane);
+      if (t + kStep < end) pager.fetch(t + kStep, end, lane);
+    } else {
+      issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(pipe_base(index), k_base, v_base,
+                                                        ks_tokens, vs_tokens, p.kv_token_stride,
+                                                        t, end, lane);
+    }
+  };
 
   float acc[kBlocks][G::kMBlocks][4];
 #pragma unroll
@@ -182,15 +202,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
   float v_ref = 1.f;
 
   // ---- load: STAGES - 1 tiles ahead of the math, per warp ----
-  const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
-  constexpr int kStep = 16 * TILES * NUM_WARPS;
-  const int first = start + 16 * TILES * warp;
+  if constexpr (PAGED)
+    if (first < end) pager.fetch(first, end, lane);
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (first + st * kStep < end)
-      issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(pipe + st * S::kBytes, k_base, v_base,
-                                                        ks_tokens, vs_tokens, p.kv_token_stride,
-                                                        first + st * kStep, end, lane);
+    if (first + st * kStep < end) issue(st, first + st * kStep);
     cp_async_commit();  // empty groups keep the group count uniform
   }
   if constexpr (APPEND) {  // while the first tiles load: rotate, quantize, write the token
@@ -221,10 +237,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
     {
       const int t_issue = t0 + (STAGES - 1) * kStep;
       const int issue_stage = stage == 0 ? STAGES - 1 : stage - 1;
-      if (t_issue < end)
-        issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(
-            pipe + issue_stage * S::kBytes, k_base, v_base, ks_tokens, vs_tokens,
-            p.kv_token_stride, t_issue, end, lane);
+      if (t_issue < end) issue(issue_stage, t_issue);
       cp_async_commit();
     }
     cp_async_wait<STAGES - 1>();  // the tiles of t0 have landed (this lane's part)
@@ -234,7 +247,15 @@ decode_split(const __grid_constant__ DecodeParams p) {
         reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes;
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub)
-      read_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(cur[sub], stage_base, sub, g, c);
+      read_tile<HEAD_DIM, kTokenScales, ScaleT, TILES, PAGED>(cur[sub], stage_base, sub, g, c);
+    if constexpr (PAGED && kTokenScales)
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          cur[sub].k_scale[half] = pager.scale(stage_base, stage, sub, 8 * half + g, false);
+          cur[sub].v_scale[half] = pager.scale(stage_base, stage, sub, 8 * half + g, true);
+        }
 
     // ---- score: S^T = K Q^T, rows tokens g and g+8, columns heads 2c, 2c+1 (per block) ----
     // Even and odd k-steps of every sub-tile accumulate separately: 2 x TILES independent mma
@@ -363,6 +384,8 @@ decode_split(const __grid_constant__ DecodeParams p) {
     stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
   cp_async_wait<0>();
+  if constexpr (PAGED)  // after the programmatic wait (every global write comes after it)
+    if (pager.bad) atomicOr(p.error_flags, kErrorBadPage);
   __syncthreads();  // the merge below reuses the pipelines' shared memory
 
   // ---- merge the warps of this CTA, on accumulator quads (decode_merge.cuh) ----

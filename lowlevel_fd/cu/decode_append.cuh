@@ -12,8 +12,11 @@
 // never read back from memory inside the launch.
 //
 // A position outside [0, capacity) writes nothing, leaves q unrotated (as append_token does),
-// attends the min(max(pos, 0), capacity) cached tokens and sets bit 0 of error_flags.
+// attends the min(max(pos, 0), capacity) cached tokens and sets bit 0 of error_flags. In paged
+// storage a page id out of range for the new token writes nothing and sets kErrorBadPage (the
+// token is still attended from shared memory).
 #pragma once
+#include "cache_pages.cuh"
 #include "decode_params.cuh"
 #include "rows.cuh"
 
@@ -105,15 +108,20 @@ __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
                                                 NewTokenShared<HEAD_DIM, GROUP>& sh,
                                                 uint4 first_raw, int b, const Chunk& hc,
                                                 int pos, bool rotate_now, bool writer) {
+  // writer: only with pos inside the cache (the caller's `appended`), so the page lookup below
+  // reads the table in bounds.
   const int kvh = hc.kvh;
   constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;
   constexpr int kRows = GROUP + 2;
   const int lane = threadIdx.x % kLanes, slot = threadIdx.x / kLanes;
   const int rope = rotate_now ? p.rope : kRopeNone;
   if (rope != kRopeNone) __syncthreads();  // sh.cs is complete
-  const int64_t cache_row = b * p.kv_batch_stride + kvh * p.kv_head_stride +
-                            static_cast<int64_t>(pos) * p.kv_token_stride + 8 * lane;
-  const int64_t scale_index = b * p.scale_batch_stride + kvh * p.scale_head_stride + pos;
+  int64_t cache_row = 0, scale_index = 0;
+  if (writer && !locate_token(p, b, kvh, pos, cache_row, scale_index)) {
+    writer = false;
+    if (threadIdx.x == 0) atomicOr(p.error_flags, kErrorBadPage);
+  }
+  cache_row += 8 * lane;
 #pragma unroll 1
   for (int base = 0; base < kRows; base += kRowsPerPass) {  // uniform across the CTA
     const int row = base + slot;

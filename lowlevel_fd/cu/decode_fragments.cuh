@@ -39,11 +39,12 @@ __device__ __forceinline__ float scale_value(const char* address) {
 // Plain C++ loads (not asm) so the compiler may schedule them; cp_async_wait's "memory"
 // clobber and __syncwarp keep them after the copies have landed.
 // Sub-tile `sub` (16 tokens) of a stage that holds TILES of them.
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
+// PAGED stages hold their scales as words that PagedTiles::scale reads (not here).
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES, bool PAGED = false>
 __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stage, int sub, int g,
                                           int c) {
   using G = Geometry<HEAD_DIM>;
-  using S = Stage<HEAD_DIM, ScaleT, TILES>;
+  using S = Stage<HEAD_DIM, ScaleT, TILES, PAGED>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = 16 * sub + 8 * half + g;
@@ -54,7 +55,7 @@ __device__ __forceinline__ void read_tile(Tile<HEAD_DIM>& tile, const char* stag
       tile.k[half][4 * u] = w.x; tile.k[half][4 * u + 1] = w.y;
       tile.k[half][4 * u + 2] = w.z; tile.k[half][4 * u + 3] = w.w;
     }
-    if constexpr (TOKEN_SCALES) {
+    if constexpr (TOKEN_SCALES && !PAGED) {
       tile.k_scale[half] = scale_value<ScaleT>(stage + S::kKScale + row * sizeof(ScaleT));
       tile.v_scale[half] = scale_value<ScaleT>(stage + S::kVScale + row * sizeof(ScaleT));
     }

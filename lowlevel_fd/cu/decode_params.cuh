@@ -44,9 +44,16 @@ struct DecodeParams {
   int32_t group_size;
   int32_t head_chunks;
   int32_t chunk_heads;
+  // Paged storage (cache_pages.cuh; null block_table: contiguous). kv_batch_stride and
+  // scale_batch_stride are then the pools' page strides.
+  const int32_t* block_table;  // [>= B, table_stride]: page ids, read at run time
+  int64_t table_stride;        // elements between two sequences' rows of the table
+  int64_t scale_token_stride;  // elements between two tokens' scales (per-token mode)
+  int32_t num_pages;           // page ids outside [0, num_pages) are never dereferenced
+  int32_t page_shift;          // log2(page_size)
 };
 
-static_assert(sizeof(DecodeParams) == 288, "keep in sync with lowlevel_fd/decode/params.py");
+static_assert(sizeof(DecodeParams) == 320, "keep in sync with lowlevel_fd/decode/params.py");
 
 // The query heads one CTA serves: `heads` (<= GROUP) consecutive heads from `first`, of KV head
 // `kvh`; `slot` numbers the (kv head, chunk) pairs of a sequence (blockIdx.x), `slots` counts

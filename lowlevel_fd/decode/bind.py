@@ -28,8 +28,10 @@ class RunBinder:
     """The argument checks of one DecodePlan: its spec, heads and dtype, and the batch and
     longest length of its current plan."""
 
-    def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device) -> None:
+    def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device,
+                 max_seq_len: int) -> None:
         self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
+        self.max_seq_len = max_seq_len
         self.batch = self.longest = 0
         self._validated: tuple = ()
 
@@ -38,10 +40,12 @@ class RunBinder:
         self.batch, self.longest, self._validated = batch, longest, ()
 
     def bind(self, p: DecodeParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
-             v_scale: Any, seq_lens: Any, out: Any, lse: Any) -> None:
+             v_scale: Any, seq_lens: Any, out: Any, lse: Any,
+             block_table: Any = None) -> None:
         """run()'s arguments into ``p`` (its append fields are left alone)."""
         own = self._wrap(q, out, seq_lens, lse)
-        cache = wrap_cache(self.device, k_cache, v_cache, k_scale, v_scale, elements=False)
+        cache = wrap_cache(self.device, k_cache, v_cache, k_scale, v_scale, block_table,
+                           elements=False)
         key = self._key(False, own, cache)
         if key != self._validated:
             self._check(own, cache, written=False)
@@ -50,14 +54,15 @@ class RunBinder:
 
     def bind_append(self, p: DecodeParams, q: Any, k_new: Any, v_new: Any, k_cache: Any,
                     v_cache: Any, k_scale: Any, v_scale: Any, seq_lens: Any, out: Any,
-                    lse: Any, cos_sin: Any) -> None:
+                    lse: Any, cos_sin: Any, block_table: Any = None) -> None:
         """append_and_run()'s arguments into ``p``, including its append fields."""
         wrap, device = check.device_array, self.device
         own = self._wrap(q, out, seq_lens, lse)
         new = (wrap("k_new", k_new, device, elements=False),
                wrap("v_new", v_new, device, elements=False),
                None if cos_sin is None else wrap("cos_sin", cos_sin, device, elements=False))
-        cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, elements=False)
+        cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, block_table,
+                           elements=False)
         key = self._key(True, own + new, cache)
         if key != self._validated:
             capacity = self._check(own, cache, written=True)
@@ -86,7 +91,7 @@ class RunBinder:
     def _key(self, append: bool, arrays: tuple, cache: CacheArrays) -> tuple:
         return (append, self.batch, self.longest,
                 *[(a.ptr, a.shape, a.strides, a.dtype) for a in arrays if a is not None],
-                *[(a.ptr, a.shape, a.strides, a.dtype) for a in cache])
+                *[(a.ptr, a.shape, a.strides, a.dtype) for a in cache if a is not None])
 
     def _rows(self, name: str, array: DeviceArray, heads: int, labels: str) -> None:
         """fp16/bf16 ``[B, heads, D]`` in the plan's dtype, rows 16-byte aligned."""
@@ -109,6 +114,10 @@ class RunBinder:
         if capacity < self.longest:
             raise ValueError(f"k_cache: capacity {capacity} tokens is below the planned longest "
                              f"sequence {self.longest}")
+        if self.spec.paged and capacity < self.max_seq_len:
+            raise ValueError(f"block_table: max_pages * page_size = {capacity} tokens is below "
+                             f"the plan's max_seq_len {self.max_seq_len}; expected at least "
+                             f"{-(-self.max_seq_len // self.spec.page_size)} columns")
         check.device_lengths("seq_lens", lengths, self.device, B)
         if lse is not None:
             check.element_aligned("lse", lse)

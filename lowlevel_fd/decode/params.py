@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ctypes
 
+from ..core.binding import PAGE_FIELDS
+
 _POINTERS = ("q", "k_cache", "v_cache", "k_scale", "v_scale", "seq_lens", "out", "lse",
              "partial_out", "partial_lse", "counters", "error_flags")
 _STRIDES = ("q_batch_stride", "q_head_stride", "out_batch_stride", "out_head_stride",
@@ -26,7 +28,8 @@ class DecodeParams(ctypes.Structure):
                     "v_new_head_stride")]
                 # the query heads: the group, served in head_chunks CTAs of chunk_heads
                 + [(name, ctypes.c_int32) for name in ("group_size", "head_chunks",
-                                                       "chunk_heads")])
+                                                       "chunk_heads")]
+                + PAGE_FIELDS)
 
 
-assert ctypes.sizeof(DecodeParams) == 288, "must match sizeof(llfd::DecodeParams)"
+assert ctypes.sizeof(DecodeParams) == 320, "must match sizeof(llfd::DecodeParams)"

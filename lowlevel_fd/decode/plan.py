@@ -51,7 +51,8 @@ class DecodePlan(OnCache):
                 raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
         self.sm_scale = 1.0 / math.sqrt(self.cache.head_dim) if sm_scale is None else sm_scale
         self.device = check.device_option(device)
-        self._binder = RunBinder(self.cache, self.num_q_heads, self.dtype, self.device)
+        self._binder = RunBinder(self.cache, self.num_q_heads, self.dtype, self.device,
+                                 self.max_seq_len)
         self._workspace: dict[str, Any] = {}
         self._params = DecodeParams()
         self._split: PreparedLaunch | None = None
@@ -66,10 +67,11 @@ class DecodePlan(OnCache):
                max_seq_len: int, dtype: str = "float16", kv_layout: str = "bnsh",
                scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
-               sm_scale: float | None = None, device: Device | None = None) -> "DecodePlan":
+               page_size: int | None = None, sm_scale: float | None = None,
+               device: Device | None = None) -> "DecodePlan":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta)
+                           rope_theta, page_size=page_size)
         return cls(spec, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
                    dtype=dtype, sm_scale=sm_scale, device=device)
 
@@ -180,23 +182,28 @@ class DecodePlan(OnCache):
 
     # -- run ----------------------------------------------------------------------------------
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
-            seq_lens: Any, out: Any, *, lse: Any = None, stream: StreamLike) -> None:
+            seq_lens: Any, out: Any, *, lse: Any = None, block_table: Any = None,
+            stream: StreamLike) -> None:
         """out[b, h] = softmax(sm_scale * q[b, h] K^T) V over the first seq_lens[b] tokens.
 
         q, out: ``[B, Hq, D]`` fp16/bf16; caches: int8 ``[B, Hkv, S, D]`` (bnsh) or
-        ``[B, S, Hkv, D]`` (bsnh); seq_lens: int32 ``[B]`` on the device; lse: optional fp32
-        ``[B, Hq]`` (natural log). Enqueued on ``stream``; returns at once.
+        ``[B, S, Hkv, D]`` (bsnh), or paged pools ``[num_pages, page_size, Hkv, D]`` (nhd) or
+        ``[num_pages, Hkv, page_size, D]`` (hnd) with ``block_table`` int32 ``[B, max_pages]``
+        on the device (token t of sequence b in page ``block_table[b][t // page_size]``; read
+        at run time, so a captured graph follows a rewritten table); seq_lens: int32 ``[B]`` on
+        the device; lse: optional fp32 ``[B, Hq]`` (natural log). Enqueued on ``stream``;
+        returns at once.
         """
         self._require_planned("run")
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out,
-                          lse)
+                          lse, block_table)
         self._params.append = self._params.early_reads = 0
         self._launch(False, stream)
 
     def append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
                        k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, *,
                        cos_sin: Any = None, lse: Any = None, early_reads: bool = False,
-                       stream: StreamLike) -> None:
+                       block_table: Any = None, stream: StreamLike) -> None:
         """One launch that appends each sequence's new token and attends over the cache with it.
 
         For every b with 0 <= seq_lens[b] < S_max: rotate k_new[b] and q[b] at position
@@ -207,7 +214,9 @@ class DecodePlan(OnCache):
         tokens there are (ERROR_OUTSIDE_CACHE). ``seq_lens`` is not advanced
         (``advance_lengths`` does that). k_new, v_new: ``[B, Hkv, D]`` like q; cos_sin: optional
         fp32 ``[max_pos >= S_max, D/2, 2]`` table (else the angles come from ``rope_theta``).
-        Plan with ``append=True``. Enqueued on ``stream``; returns at once.
+        block_table: paged specs (see ``run``); the token goes to page
+        ``block_table[b][seq_lens[b] // page_size]`` (an id outside the pool: nothing written,
+        ERROR_BAD_PAGE). Plan with ``append=True``. Enqueued on ``stream``; returns at once.
 
         ``early_reads`` (Hopper's programmatic launch): the kernel reads ``seq_lens``, the
         caches, their scales and ``cos_sin`` while the kernel before it on the stream is still
@@ -218,30 +227,33 @@ class DecodePlan(OnCache):
         check.flag("early_reads", early_reads)
         self._require_planned("append_and_run", append=True)
         self._binder.bind_append(self._params, q, k_new, v_new, k_cache, v_cache, k_scale,
-                                 v_scale, seq_lens, out, lse, cos_sin)
+                                 v_scale, seq_lens, out, lse, cos_sin, block_table)
         self._params.early_reads = int(early_reads)
         self._launch(True, stream)
 
     def prepare_run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
-                    seq_lens: Any, out: Any, *, lse: Any = None) -> "PreparedCall":
+                    seq_lens: Any, out: Any, *, lse: Any = None,
+                    block_table: Any = None) -> "PreparedCall":
         """``run``'s arguments, validated once: ``launch(stream)`` on the result issues the same
         launch with no further checks, until the next ``plan``."""
         self._require_planned("prepare_run")
         params = DecodeParams.from_buffer_copy(self._params)
-        self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse)
+        self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
+                          block_table)
         params.append = params.early_reads = 0
         return PreparedCall(self, params, False)
 
     def prepare_append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any,
                                v_cache: Any, k_scale: Any, v_scale: Any, seq_lens: Any,
                                out: Any, *, cos_sin: Any = None, lse: Any = None,
-                               early_reads: bool = False) -> "PreparedCall":
+                               early_reads: bool = False,
+                               block_table: Any = None) -> "PreparedCall":
         """``append_and_run``'s arguments, validated once (see ``prepare_run``)."""
         check.flag("early_reads", early_reads)
         self._require_planned("prepare_append_and_run", append=True)
         params = DecodeParams.from_buffer_copy(self._params)
         self._binder.bind_append(params, q, k_new, v_new, k_cache, v_cache, k_scale, v_scale,
-                                 seq_lens, out, lse, cos_sin)
+                                 seq_lens, out, lse, cos_sin, block_table)
         params.early_reads = int(early_reads)
         return PreparedCall(self, params, True)
 
@@ -250,16 +262,45 @@ class DecodePlan(OnCache):
         if self._combine is not None:
             self._combine.launch(stream)
 
-    def advance_lengths(self, seq_lens: Any, capacity: int, *, stream: StreamLike) -> None:
+    def advance_lengths(self, seq_lens: Any, capacity: int, *, block_table: Any = None,
+                        num_pages: int | None = None, stream: StreamLike) -> None:
         """seq_lens[b] += 1 where 0 <= seq_lens[b] < capacity, on the device: after the
-        append_and_run calls of a step (which all read the same lengths)."""
+        append_and_run calls of a step (which all read the same lengths). Paged specs pass the
+        ``block_table`` and the pool's ``num_pages`` too: a token whose page id is outside the
+        pool was not written, so its length does not advance."""
         self._require_planned("advance_lengths")
         lengths = check.device_lengths("seq_lens", seq_lens, self.device, None)
         capacity = check.positive("capacity", capacity)
         batch = lengths.shape[0]
+        table, stride, pages, shift = self._advance_pages(block_table, num_pages, batch,
+                                                          capacity)
         blocks = max(1, min(-(-batch // LENGTHS.threads), 1024))
         self._advance.prepare(LaunchConfig(blocks, LENGTHS.threads, programmatic=self._hopper),
-                              lengths, np.int32(batch), np.int32(capacity)).launch(stream)
+                              lengths, np.int32(batch), np.int32(capacity), np.uint64(table),
+                              np.int64(stride), np.int32(pages), np.int32(shift)
+                              ).launch(stream)
+
+    def _advance_pages(self, block_table: Any, num_pages: Any, batch: int,
+                       capacity: int) -> tuple[int, int, int, int]:
+        """advance_lengths' page arguments: (table address, row stride, pages, page shift)."""
+        if not self.cache.paged:
+            if block_table is not None or num_pages is not None:
+                raise ValueError("block_table: the cache spec is contiguous; expected None")
+            return 0, 0, 0, 0
+        if block_table is None or num_pages is None:
+            raise ValueError("block_table, num_pages: a paged spec needs both (the block table "
+                             "and the pool's page count)")
+        table = check.device_array("block_table", block_table, self.device)
+        check.dtype("block_table", table, ("int32",))
+        page_size = self.cache.page_size
+        if (table.ndim != 2 or table.shape[0] < batch
+                or table.shape[1] * page_size < capacity):
+            raise ValueError(f"block_table: expected [>= {batch}, >= "
+                             f"{-(-capacity // page_size)}] (capacity {capacity} tokens in "
+                             f"pages of {page_size}), got {table.shape}")
+        check.inner_contiguous("block_table", table)
+        pages = check.positive("num_pages", num_pages)
+        return table.ptr, table.strides[0] // 4, pages, page_size.bit_length() - 1
 
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:

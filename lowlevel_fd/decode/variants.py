@@ -64,6 +64,7 @@ class DecodeVariant:
     tiles: int = 1  # 16-token tiles per step of a warp (1 or 2)
     append: bool = False  # the fused append of DecodePlan.append_and_run
     masked: bool = False  # a group other than cta_heads (masked heads or chunks): is_masked()
+    paged: bool = False  # the cache lives in pages of a block table (cu/cache_pages.cuh)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -76,12 +77,14 @@ class DecodeVariant:
         cta_heads, chunks, chunk_heads = head_chunks(group_size, config.cta_heads)
         return cls(spec.head_dim, cta_heads, dtype, spec.scale_mode, spec.scale_dtype,
                    config.num_warps, config.stages, config.cluster, config.tiles, append,
-                   is_masked(cta_heads, chunks, chunk_heads))
+                   is_masked(cta_heads, chunks, chunk_heads), spec.paged)
 
     @property
     def stage_bytes(self) -> int:
-        """One 16-token tile of K and V plus 16 K and 16 V scales (cu/decode_pipeline.cuh)."""
-        scale_size = 2 if self.scale_mode == "token" and self.scale_dtype == "float16" else 4
+        """One 16-token tile of K and V plus 16 K and 16 V scales (cu/decode_pipeline.cuh;
+        paged stages hold every scale as a 4-byte word)."""
+        fp16 = self.scale_mode == "token" and self.scale_dtype == "float16"
+        scale_size = 2 if fp16 and not self.paged else 4
         return self.tiles * (32 * self.head_dim + 32 * scale_size)
 
     @property
@@ -90,7 +93,8 @@ class DecodeVariant:
                 f"{support.SCALE_MODE_IDS[self.scale_mode]}, {support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, {self.stages}, "
                 f"{support.cxx_bool(self.cluster)}, {self.tiles}, "
-                f"{support.cxx_bool(self.append)}, {support.cxx_bool(self.masked)}>")
+                f"{support.cxx_bool(self.append)}, {support.cxx_bool(self.masked)}, "
+                f"{support.cxx_bool(self.paged)}>")
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
@@ -181,16 +185,19 @@ Program = Union[DecodeVariant, CombineVariant, LengthsProgram]
 def shipped_variants(num_warps: tuple[int, ...] = (DEFAULT_WARPS,)) -> Iterator[Program]:
     """Every program the planner can pick (the CI compiles all of them): ``num_warps`` warps,
     one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
-    planner rule 7 (head_dim 128, up to 8 heads per CTA); each also with the fused append, and
-    each exact and (MASKED_CTA_HEADS) masked; the merges and the length bump. Other two-tile
+    planner rule 7 (head_dim 128, up to 8 heads per CTA); each also with the fused append,
+    each exact and (MASKED_CTA_HEADS) masked, each over a contiguous and a paged cache; the
+    merges and the length bump. Other two-tile
     variants compile on demand."""
     for dim, heads, dtype in itertools.product(support.HEAD_DIMS, CTA_HEADS, support.DTYPES):
         two_tiles = dim in TWO_TILE_HEAD_DIMS and heads <= 8
         for masked in (False, True) if heads in MASKED_CTA_HEADS else (False,):
             for mode in support.SCALE_MODES:
                 for scale_dtype in support.SCALE_DTYPES[mode]:
-                    for warps, append in itertools.product(num_warps, (False, True)):
-                        common = dict(num_warps=warps, append=append, masked=masked)
+                    for warps, append, paged in itertools.product(num_warps, (False, True),
+                                                                  (False, True)):
+                        common = dict(num_warps=warps, append=append, masked=masked,
+                                      paged=paged)
                         for cluster in (False, True):
                             yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
                                                 cluster=cluster, **common)

@@ -51,6 +51,16 @@ class LayerSet:
             if layer == 0:  # the oracle checks layer 0 only
                 self.host_q0 = q
             self.layers.append(arrays)
+        # Paged: one block table for every layer (as in an engine), the pages of each
+        # sequence in random physical order unless the workload asks for them in order.
+        self.table = None
+        self.pages: dict = {}
+        if workload.page_size:
+            count = workload.num_pages
+            order = (rng.permutation(count) if workload.page_order == "random"
+                     else np.arange(count))
+            self.table = order.reshape(workload.batch, workload.pages_per_seq).astype(np.int32)
+            self.pages = {"block_table": DeviceArray.from_numpy(self.table, device)}
         stream.synchronize()
         self._reference: tuple[list[int], np.ndarray] | None = None
 
@@ -72,16 +82,31 @@ class LayerSet:
             w, a, rows = self.workload, self.layers[0], self.check_rows()
 
             def row_stack(array: DeviceArray) -> np.ndarray:
-                return np.stack([array[b].numpy() for b in rows])
+                if self.table is None:
+                    return np.stack([array[b].numpy() for b in rows])
+                return np.stack([self._gather(array, b) for b in rows])
 
             per_row = w.scale_mode == "token"
             k_scale = row_stack(a["k_scale"]) if per_row else a["k_scale"].numpy()
             v_scale = row_stack(a["v_scale"]) if per_row else a["v_scale"].numpy()
+            layout = "bnsh" if self.table is not None else w.kv_layout
             out, _ = decode_attention_ref(
                 self.host_q0[rows], row_stack(a["k"]), row_stack(a["v"]), k_scale, v_scale,
-                self.host_lengths[rows], kv_layout=w.kv_layout, scale_mode=w.scale_mode)
+                self.host_lengths[rows], kv_layout=layout, scale_mode=w.scale_mode)
             self._reference = (rows, out)
         return self._reference
+
+    def _gather(self, pool: DeviceArray, b: int) -> np.ndarray:
+        """Sequence b's tokens from its pages: ``[Hkv, S, D]`` (caches) or ``[Hkv, S]``
+        (scales), as a contiguous bnsh row."""
+        pages = np.stack([pool[int(page)].numpy() for page in self.table[b]])
+        if self.workload.kv_layout == "nhd":  # [P, page, H, ...] -> [H, P * page, ...]
+            pages = np.moveaxis(pages, 2, 0)
+            rows = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+        else:  # [P, H, page, ...]
+            pages = np.moveaxis(pages, 1, 0)
+            rows = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+        return rows[:, :self.workload.seq_len]
 
     def check_output(self) -> dict:
         """Compare layer 0's output (already computed and synchronized) with the oracle:
@@ -102,3 +127,5 @@ class LayerSet:
                 array.close()
         self.layers.clear()
         self.seq_lens.close()
+        for array in self.pages.values():
+            array.close()

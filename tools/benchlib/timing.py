@@ -27,7 +27,8 @@ class WorkloadBench:
         try:
             cache = KVCacheSpec(workload.num_kv_heads, workload.head_dim,
                                 kv_layout=workload.kv_layout, scale_mode=workload.scale_mode,
-                                scale_dtype=workload.scale_dtype)
+                                scale_dtype=workload.scale_dtype,
+                                page_size=workload.page_size or None)
             self.plan = DecodePlan(cache, workload.num_q_heads, max_batch=workload.batch,
                                    max_seq_len=workload.seq_len, dtype=workload.q_dtype,
                                    device=device)
@@ -50,12 +51,12 @@ class WorkloadBench:
     def step(self) -> None:
         """One decode step: every layer's attention, in order, on the stream."""
         for layer in range(self.num_layers):
-            self.plan.run(*self.layers.args(layer), stream=self.stream)
+            self.plan.run(*self.layers.args(layer), **self.layers.pages, stream=self.stream)
 
     def check(self) -> dict:
         """Poison layer 0's output with NaN, run it once, compare with the oracle."""
         self.layers.layers[0]["out"].fill(float("nan"), stream=self.stream)
-        self.plan.run(*self.layers.args(0), stream=self.stream)
+        self.plan.run(*self.layers.args(0), **self.layers.pages, stream=self.stream)
         self.stream.synchronize()
         return self.layers.check_output()
 

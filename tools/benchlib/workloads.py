@@ -25,6 +25,7 @@ MEMORY_CAP_BYTES = 40 * GIB
 DEFAULT_SHAPES = ((1, 1024), (1, 2048), (1, 8192), (1, 32768), (8, 4096), (32, 4096),
                   (64, 8192), (128, 2048))
 LAYOUTS = ("bnsh", "bsnh")
+PAGED_LAYOUTS = ("nhd", "hnd")  # with --page-size: pools of pages and a block table
 # Flag spelling -> (scale_mode, scale_dtype). "token" alone means fp32 token scales.
 SCALE_MODES = {"tensor": ("tensor", "float32"), "head": ("head", "float32"),
                "token-fp32": ("token", "float32"), "token-fp16": ("token", "float16"),
@@ -50,6 +51,16 @@ class Workload:
     scale_dtype: str = "float32"
     q_dtype: str = "float16"
     ragged: bool = False
+    page_size: int = 0  # 0: a contiguous cache; else pages (kv_layout nhd or hnd)
+    page_order: str = "random"  # physical page order: "random" (fragmented) or "ordered"
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.seq_len // self.page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.batch * self.pages_per_seq
 
     def seq_lens(self) -> np.ndarray:
         """Host lengths [B] int64: all S, or (ragged) uniform in [S/2, S] with row 0 at S."""
@@ -67,10 +78,16 @@ class Workload:
     @property
     def cache_shape(self) -> tuple[int, int, int, int]:
         B, S, H, D = self.batch, self.seq_len, self.num_kv_heads, self.head_dim
+        if self.page_size:
+            N, P = self.num_pages, self.page_size
+            return (N, P, H, D) if self.kv_layout == "nhd" else (N, H, P, D)
         return (B, H, S, D) if self.kv_layout == "bnsh" else (B, S, H, D)
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
+        if self.scale_mode == "token" and self.page_size:
+            N, P, H = self.num_pages, self.page_size, self.num_kv_heads
+            return (N, P, H) if self.kv_layout == "nhd" else (N, H, P)
         if self.scale_mode == "token":
             return (self.batch, self.num_kv_heads, self.seq_len)
         return (1,) if self.scale_mode == "tensor" else (self.num_kv_heads,)
@@ -124,6 +141,8 @@ class Workload:
     def label(self) -> str:
         return (f"B={self.batch} S={self.seq_len} H={self.num_q_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim} {self.kv_layout} {self.mode_label} {self.q_label}"
+                + (f" page {self.page_size}" if self.page_size else "")
+                + (" in order" if self.page_size and self.page_order == "ordered" else "")
                 + (" ragged" if self.ragged else ""))
 
     def as_dict(self) -> dict:
@@ -203,7 +222,8 @@ def parse_choices(flag: str, text: str, spellings: dict, canonical: tuple[str, .
     return list(dict.fromkeys(spellings[n] for n in names))
 
 
-CUSTOM_FLAGS = ("shapes", "heads", "head_dim", "layout", "scale_mode", "q_dtype", "ragged")
+CUSTOM_FLAGS = ("shapes", "heads", "head_dim", "layout", "scale_mode", "q_dtype", "ragged",
+                "page_size")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,7 +236,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--heads", help="'Hq,Hkv;Hq,Hkv;...' (default 32,8), e.g. "
                                        "'24,8;32,8' for groups 3 and 4")
     group.add_argument("--head-dim", type=int, help="64, 128 or 256 (default 128)")
-    group.add_argument("--layout", help="comma list of bnsh,bsnh or 'all'")
+    group.add_argument("--layout", help="comma list of bnsh,bsnh (contiguous) or nhd,hnd "
+                                        "(paged, with --page-size) or 'all'")
+    group.add_argument("--page-size", help="comma list of page sizes (powers of two 1..256; "
+                                           "0: contiguous): paged caches in the nhd/hnd "
+                                           "layouts (default nhd)")
+    group.add_argument("--page-order", choices=("random", "ordered"), default="random",
+                       help="physical order of the pages (default random: fragmented)")
     group.add_argument("--scale-mode", help="comma list of tensor,head,token-fp32,token-fp16 "
                                             "(token = token-fp32) or 'all'")
     group.add_argument("--q-dtype", help="comma list of fp16,bf16 or 'all'")
@@ -234,14 +260,28 @@ def workloads_from_args(args: argparse.Namespace,
     head_pairs = ([parse_heads(text) for text in args.heads.split(";") if text.strip()]
                   if args.heads else [(32, 8)])
     head_dim = args.head_dim or 128
-    layouts = parse_choices("--layout", args.layout or "bnsh", {x: x for x in LAYOUTS}, LAYOUTS)
+    page_sizes = [0]
+    if getattr(args, "page_size", None):
+        try:
+            page_sizes = [int(x) for x in args.page_size.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--page-size: expected a comma list of ints, got "
+                             f"{args.page_size!r}") from None
+        if not page_sizes or any(p < 0 or p > 256 or p & (p - 1) for p in page_sizes):
+            raise ValueError(f"--page-size: expected powers of two 1..256 (0: contiguous), got "
+                             f"{args.page_size!r}")
+    known = LAYOUTS + PAGED_LAYOUTS
+    default = ",".join(dict.fromkeys("nhd" if p else "bnsh" for p in page_sizes))
+    layouts = parse_choices("--layout", args.layout or default, {x: x for x in known}, known)
     modes = parse_choices("--scale-mode", args.scale_mode or "token-fp32", SCALE_MODES,
                           MODE_NAMES)
     q_dtypes = parse_choices("--q-dtype", args.q_dtype or "fp16", Q_DTYPES, ("fp16", "bf16"))
+    order = getattr(args, "page_order", None) or "random"
     sweep = [Workload(b, s, num_q_heads, num_kv_heads, head_dim, layout, mode, scale_dtype, q,
-                      bool(args.ragged))
-             for (b, s), (num_q_heads, num_kv_heads), layout, (mode, scale_dtype), q
-             in itertools.product(shapes, head_pairs, layouts, modes, q_dtypes)]
+                      bool(args.ragged), page, order)
+             for (b, s), (num_q_heads, num_kv_heads), layout, (mode, scale_dtype), q, page
+             in itertools.product(shapes, head_pairs, layouts, modes, q_dtypes, page_sizes)
+             if (layout in PAGED_LAYOUTS) == (page > 0)]  # paged layouts with page sizes only
     return list(dict.fromkeys(sweep))  # a shape given twice runs once
 
 
