@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""What paging costs, and why: per shape, the contiguous cache against pages of each size and
+layout, in random and in physical order, with the planner's plan and with deeper pipelines
+(``--stages``). Separates the price of scattered pages (random vs in order), of small pages
+(1 vs 16 vs 256) and of latency (stages). L2-honest graph replay of L layers, event-timed
+medians (benchlib), every variant checked against the oracle first.
+
+    PYTHONPATH=. python3 tools/probe_pages.py --shapes '8,4096;64,8192' --pages 16,256
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from benchlib.stats import summarize
+from benchlib.timing import WorkloadBench
+from benchlib.workloads import Workload, layer_count, parse_shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="8,4096;64,8192", help="'B,S;B,S;...'")
+    parser.add_argument("--pages", default="16,256", help="comma list of page sizes")
+    parser.add_argument("--layouts", default="nhd,hnd")
+    parser.add_argument("--orders", default="random,ordered")
+    parser.add_argument("--stages", default="0", help="pipeline stages (0: the planner's)")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+    from lowlevel_fd.driver import Device, Stream
+    device, stream = Device(0), Stream()
+    stages = [int(s) for s in args.stages.split(",")]
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'stages':>6} "
+          f"{'us':>8} {'ratio':>6}")
+    for batch, seq_len in parse_shapes(args.shapes):
+        variants = [Workload(batch, seq_len)] + [
+            Workload(batch, seq_len, kv_layout=layout, page_size=int(page), page_order=order)
+            for layout in args.layouts.split(",") for page in args.pages.split(",")
+            for order in args.orders.split(",")]
+        base = None
+        for work in variants:
+            bench = WorkloadBench(work, layer_count(work.bytes_per_layer,
+                                                    work.footprint_per_layer), device, stream)
+            try:
+                for stage in stages:
+                    bench.replan()
+                    if stage:
+                        bench.replan(dataclasses.replace(bench.planned_config(), stages=stage))
+                    check = bench.check()
+                    if not check.get("ok", True):
+                        print(f"check failed: {work.label}: {check}", file=sys.stderr)
+                        return 1
+                    us = summarize(bench.graph_us(warmup=10, iters=args.iters)).median
+                    base = base or us
+                    print(f"{batch:>4} {seq_len:>6} {work.kv_layout:>6} {work.page_size:>5} "
+                          f"{work.page_order if work.page_size else '-':>8} "
+                          f"{stage or bench.plan.describe()['stages']:>6} {us:>8.2f} "
+                          f"{us / base:>6.3f}", flush=True)
+            finally:
+                bench.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
