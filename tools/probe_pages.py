@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="8,4096;64,8192", help="'B,S;B,S;...'")
     parser.add_argument("--pages", default="16,256", help="comma list of page sizes")
     parser.add_argument("--layouts", default="nhd,hnd")
+    parser.add_argument("--contiguous", default="bnsh,bsnh", help="contiguous layouts to time")
     parser.add_argument("--orders", default="random,ordered")
     parser.add_argument("--stages", default="0", help="pipeline stages (0: the planner's)")
     parser.add_argument("--iters", type=int, default=50)
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'stages':>6} "
           f"{'us':>8} {'ratio':>6}")
     for batch, seq_len in parse_shapes(args.shapes):
-        variants = [Workload(batch, seq_len)] + [
+        variants = [Workload(batch, seq_len, kv_layout=layout)
+                    for layout in args.contiguous.split(",")] + [
             Workload(batch, seq_len, kv_layout=layout, page_size=int(page), page_order=order)
             for layout in args.layouts.split(",") for page in args.pages.split(",")
             for order in args.orders.split(",")]

@@ -117,13 +117,15 @@ decode_split(const __grid_constant__ DecodeParams p) {
                 p.q_head_stride);
   // len: the cached tokens the warps stream. With the fused append the splits cover those and
   // the new token joins the last one (sequence_splits).
-  int len, pos = 0, chunk, active;
+  if constexpr (PAGED) prefetch_table_row(p, b, NUM_WARPS * 32);
+  int len, pos = 0, chunk, active, new_page = 0;
   bool appended = false;
   RopeCoefficients<HEAD_DIM, NUM_WARPS * 32> rope_cs;
   if constexpr (APPEND) {
     pos = p.seq_lens[b];
     if (p.rope != kRopeNone) rope_cs.start(p);  // while the position loads
     len = sequence_splits(p, pos, appended, chunk, active);
+    if (appended) new_page = page_of(p, b, pos);  // the new token's page, early
     if (p.rope != kRopeNone) rope_cs.load(p, pos, appended);  // lands during the prologue
   } else {
     len = clamped_length(p, b);
@@ -175,7 +177,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   };
   constexpr int kStep = 16 * TILES * NUM_WARPS;
   const int first = start + 16 * TILES * warp;
-  typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh);
+  typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh, lane);
   // Issue the tile at t into stage `index`; a paged lane then fetches the next tile's page ids.
   auto issue = [&](int index, int t) __attribute__((always_inline)) {
     if constexpr (PAGED) {
@@ -220,7 +222,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
     }
     // Every chunk of the KV head's query heads quantizes the new token; the first writes it.
     stage_new_token<HEAD_DIM, GROUP, SCALE_MODE, QT, ScaleT, NUM_WARPS * 32>(
-        p, fresh, first_raw, b, hc, pos, appended, has_new && hc.chunk == 0);
+        p, fresh, first_raw, b, hc, pos, new_page, appended, has_new && hc.chunk == 0);
     fetch_query(&fresh.q[0][0], HEAD_DIM);
   }
   // This lane's accumulator columns are heads 8hb + 2c + i; their bf16 rescale lives in the

@@ -107,9 +107,10 @@ template <int HEAD_DIM, int GROUP, int SCALE_MODE, typename QT, typename ScaleT,
 __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
                                                 NewTokenShared<HEAD_DIM, GROUP>& sh,
                                                 uint4 first_raw, int b, const Chunk& hc,
-                                                int pos, bool rotate_now, bool writer) {
-  // writer: only with pos inside the cache (the caller's `appended`), so the page lookup below
-  // reads the table in bounds.
+                                                int pos, int page, bool rotate_now,
+                                                bool writer) {
+  // writer: only with pos inside the cache (the caller's `appended`); page: page_of(p, b, pos),
+  // loaded by the caller as soon as pos was known.
   const int kvh = hc.kvh;
   constexpr int kLanes = RowLanes<HEAD_DIM>::kLanes, kRowsPerPass = THREADS / kLanes;
   constexpr int kRows = GROUP + 2;
@@ -117,7 +118,7 @@ __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
   const int rope = rotate_now ? p.rope : kRopeNone;
   if (rope != kRopeNone) __syncthreads();  // sh.cs is complete
   int64_t cache_row = 0, scale_index = 0;
-  if (writer && !locate_token(p, b, kvh, pos, cache_row, scale_index)) {
+  if (writer && !token_offsets(p, page, kvh, pos, cache_row, scale_index)) {
     writer = false;
     if (threadIdx.x == 0) atomicOr(p.error_flags, kErrorBadPage);
   }

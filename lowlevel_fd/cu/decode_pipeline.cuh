@@ -80,18 +80,21 @@ template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
 struct PagedTiles {
   using S = Stage<HEAD_DIM, ScaleT, TILES, true>;
   static constexpr int kLoads = TILES * HEAD_DIM / 32;  // 16-byte chunks per lane and tile
+  static constexpr int kLoadsPerSub = kLoads / TILES;   // ... per 16-token sub-tile
   const int32_t* table;  // this sequence's row of the block table
   const int8_t *k_head, *v_head;  // the pools at this KV head
   const char *ks_head, *vs_head;  // the scale pools at this KV head (bytes)
   int64_t page_stride, token_stride, scale_page_stride, scale_token_stride;  // bytes
   int shift, num_pages;
+  bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
+  int row_offset[kLoads];  // bytes of this lane's chunks past their sub-tile's first slot
   int pages[kLoads];       // page ids of this lane's rows of the next tile to issue
   int scale_page[TILES];   // ... and of its scale token (lane % 16 of each sub-tile)
   uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
   bool bad = false;        // a page id out of range was met
 
   template <typename P>
-  __device__ __forceinline__ PagedTiles(const P& p, int b, int kvh)
+  __device__ __forceinline__ PagedTiles(const P& p, int b, int kvh, int lane)
       : table(p.block_table + b * p.table_stride),
         k_head(p.k_cache + kvh * p.kv_head_stride),
         v_head(p.v_cache + kvh * p.kv_head_stride),
@@ -104,10 +107,33 @@ struct PagedTiles {
         scale_page_stride(p.scale_batch_stride * static_cast<int64_t>(sizeof(ScaleT))),
         scale_token_stride(p.scale_token_stride * static_cast<int64_t>(sizeof(ScaleT))),
         shift(p.page_shift),
-        num_pages(p.num_pages) {}
+        num_pages(p.num_pages),
+        whole(p.page_shift >= 4) {
+    // Tiles start at multiples of 16 tokens, so a row's slot is its sub-tile's first slot
+    // (0 when pages are smaller than 16) plus (row % 16) & mask: a per-lane constant.
+    const int mask = (1 << shift) - 1;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int index = lane + 32 * i, row = index / S::kRowChunks;
+      row_offset[i] = ((row % 16) & mask) * static_cast<int>(token_stride) +
+                      16 * (index % S::kRowChunks);
+    }
+  }
 
-  // Load the page ids of the tile at t0 (rows past `end` read row end - 1's).
+  // Load the page ids of the tile at t0 (t0 < end): one per sub-tile when pages hold whole
+  // sub-tiles, else one per row (rows past `end` are never copied: any id does).
   __device__ __forceinline__ void fetch(int t0, int end, int lane) {
+    if (whole) {
+      int sub_page[TILES];
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+        sub_page[sub] = __ldg(table + (min(t0 + 16 * sub, end - 1) >> shift));
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) pages[i] = sub_page[i / kLoadsPerSub];
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub) scale_page[sub] = sub_page[sub];
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int row = (lane + 32 * i) / S::kRowChunks;
@@ -120,7 +146,8 @@ struct PagedTiles {
   }
 
   // Issue the copies of the tile at t0 into stage number `index` at shared address `stage`,
-  // from the page ids fetched for it.
+  // from the page ids fetched for it. Rows past `end` (and rows of bad pages) are zero-filled
+  // without a read; the math masks them.
   __device__ __forceinline__ void issue(uint32_t stage, int index, int t0, int end, int lane) {
     const int mask = (1 << shift) - 1;
 #pragma unroll
@@ -128,15 +155,18 @@ struct PagedTiles {
       const int index_in_tile = lane + 32 * i;
       const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
       const int page = pages[i];
-      const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
-      bad |= !ok;
+      const bool good = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+      const bool live = t0 + row < end;
+      bad |= live && !good;
       const int64_t offset =
-          ok ? page * page_stride + (min(t0 + row, end - 1) & mask) * token_stride + 16 * chunk
-             : 0;
+          live && good ? page * page_stride + ((t0 + 16 * (row / 16)) & mask) * token_stride +
+                             row_offset[i]
+                       : 0;
+      const int bytes = live && good ? 16 : 0;
       cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk), k_head + offset,
-                  ok ? 16 : 0);
+                  bytes);
       cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk), v_head + offset,
-                  ok ? 16 : 0);
+                  bytes);
     }
     if constexpr (TOKEN_SCALES) {
       // Lanes 0-15 copy the K scales of tokens 0-15 of each sub-tile, lanes 16-31 the V scales.
@@ -176,7 +206,7 @@ struct PagedTiles {
 // The pager a decode kernel holds: PagedTiles over pages, nothing over a contiguous cache.
 struct NoPager {
   template <typename P>
-  __device__ __forceinline__ NoPager(const P&, int, int) {}
+  __device__ __forceinline__ NoPager(const P&, int, int, int) {}
 };
 template <bool PAGED, int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
 struct Pager { using type = PagedTiles<HEAD_DIM, TOKEN_SCALES, ScaleT, TILES>; };
