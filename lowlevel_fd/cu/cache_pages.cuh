@@ -8,7 +8,7 @@
 // view of the same allocation) is one more layout.
 //
 // A page id outside [0, num_pages) is never dereferenced: the caller skips the write (or
-// zero-fills the load: PagedTiles in decode_pipeline.cuh) and sets kErrorBadPage.
+// zero-fills the load: PagedTiles in decode_pages.cuh) and sets kErrorBadPage.
 #pragma once
 #include "kv_types.cuh"
 

@@ -21,6 +21,7 @@
 #include "decode_append.cuh"
 #include "decode_fragments.cuh"
 #include "decode_merge.cuh"
+#include "decode_pages.cuh"
 
 namespace llfd {
 
@@ -35,7 +36,7 @@ namespace llfd {
 // MASKED: the query group is not GROUP: fewer heads (the rest masked) or more (chunks of CTAs
 // per KV head), from DecodeParams' group fields at run time (HeadChunk).
 // PAGED: the cache is in pages (cache_pages.cuh): every row's page comes from the block table,
-// loaded a tile ahead (PagedTiles, decode_pipeline.cuh).
+// loaded a tile ahead (PagedTiles, decode_pages.cuh).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
           int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED, bool PAGED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)

@@ -1,0 +1,201 @@
+// The decode kernel's tile loads over pages (the PAGED instantiation of decode_split): the same
+// stages as issue_tile (decode_pipeline.cuh), each row from its page of the block table
+// (cache_pages.cuh).
+//  * The page ids of the next tile a lane issues are loaded one tile ahead (fetch), so the
+//    table's latency hides behind a tile of math instead of sitting in front of every copy.
+//  * Pages of >= 16 tokens ("whole": the usual case) hold whole 16-token sub-tiles: one id and
+//    one 64-bit page address per sub-tile, and per row only a lane-constant offset. Smaller
+//    pages look up every row. The two paths are picked per launch (a uniform branch).
+//  * Rows past the sequence's end and rows of bad page ids are zero-filled without a read.
+//  * Per-token scales are copied as the aligned 4-byte word holding them (fp16: either half;
+//    which one is a bit per stage and sub-tile in `selectors`, read by the consumer through a
+//    shuffle): cp.async cannot copy 2 bytes, and a scale's neighbours in a pool need not be
+//    its own sequence's.
+#pragma once
+#include "cache_pages.cuh"
+#include "decode_pipeline.cuh"
+
+namespace llfd {
+
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
+struct PagedTiles {
+  using S = Stage<HEAD_DIM, ScaleT, TILES, true>;
+  static constexpr int kLoads = TILES * HEAD_DIM / 32;  // 16-byte chunks per lane and tile
+  static constexpr int kLoadsPerSub = kLoads / TILES;   // ... per 16-token sub-tile
+  static constexpr int kRowStep = 32 / (HEAD_DIM / 16);  // rows between a lane's chunks
+  static constexpr bool kHalfScales = sizeof(ScaleT) == 2;
+  const int32_t* table;  // this sequence's row of the block table
+  const int8_t *k_head, *v_head;  // the pools at this KV head
+  int64_t v_delta;                // v_head - k_head
+  const char* scale_head;         // this lane's scale pool (K: lanes 0-15, V: 16-31) at the head
+  // Bytes. Page ids are in range (unsigned) where they are used: 32 x 64-bit products. Slot
+  // offsets inside a page fit 32 bits.
+  uint64_t page_stride, scale_page_stride;
+  int token_stride, scale_token_stride;
+  int shift, mask, num_pages;
+  bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
+  int row_offset[kLoads];  // bytes of this lane's chunks past their sub-tile's first slot
+  int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
+  int pages[kLoads];       // small pages: the page of each of this lane's rows, next tile
+  int sub_page[TILES];     // whole pages: the page of each sub-tile; small: of this lane's
+                           // scale token (lane % 16 of each sub-tile)
+  uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
+  bool bad = false;        // a page id out of range was met
+
+  template <typename P>
+  __device__ __forceinline__ PagedTiles(const P& p, int b, int kvh, int lane)
+      : table(p.block_table + b * p.table_stride),
+        k_head(p.k_cache + kvh * p.kv_head_stride),
+        v_head(p.v_cache + kvh * p.kv_head_stride),
+        v_delta(p.v_cache - p.k_cache),
+        scale_head(static_cast<const char*>(lane >= 16 ? p.v_scale : p.k_scale) +
+                   kvh * p.scale_head_stride * static_cast<int64_t>(sizeof(ScaleT))),
+        page_stride(p.kv_batch_stride),
+        scale_page_stride(p.scale_batch_stride * sizeof(ScaleT)),
+        token_stride(static_cast<int>(p.kv_token_stride)),
+        scale_token_stride(static_cast<int>(p.scale_token_stride * sizeof(ScaleT))),
+        shift(p.page_shift),
+        mask((1 << p.page_shift) - 1),
+        num_pages(p.num_pages),
+        whole(p.page_shift >= 4) {
+    // Tiles start at multiples of 16 tokens, so a row's slot is its sub-tile's first slot
+    // (0 when pages are smaller than 16) plus (row % 16) & mask: a per-lane constant.
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int index = lane + 32 * i, row = index / S::kRowChunks;
+      row_offset[i] = ((row % 16) & mask) * token_stride + 16 * (index % S::kRowChunks);
+    }
+    scale_offset = ((lane % 16) & mask) * scale_token_stride;
+  }
+
+  // Load the page ids of the tile at t0 (t0 < end). Rows past `end` are never copied: any
+  // id in the table does for them.
+  __device__ __forceinline__ void fetch(int t0, int end, int lane) {
+    if (whole) {
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+        sub_page[sub] = __ldg(table + (min(t0 + 16 * sub, end - 1) >> shift));
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int row = (lane + 32 * i) / S::kRowChunks;
+      pages[i] = __ldg(table + (min(t0 + row, end - 1) >> shift));
+    }
+    if constexpr (TOKEN_SCALES)
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+        sub_page[sub] = __ldg(table + (min(t0 + 16 * sub + lane % 16, end - 1) >> shift));
+  }
+
+  __device__ __forceinline__ bool good(int page) const {
+    return static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+  }
+
+  // Issue the copies of the tile at t0 into stage number `index` at shared address `stage`,
+  // from the page ids fetched for it: one branch per tile between the two paths.
+  __device__ __forceinline__ void issue(uint32_t stage, int index, int t0, int end, int lane) {
+    if (whole)
+      issue_whole(stage, index, t0, end, lane);
+    else
+      issue_rows(stage, index, t0, end, lane);
+  }
+
+  // Pages of >= 16 tokens: one page address per sub-tile, a constant offset per row. A row
+  // that is not copied keeps a pointer inside the pool (page 0 when the id is bad) and reads
+  // nothing.
+  __device__ __forceinline__ void issue_whole(uint32_t stage, int index, int t0, int end,
+                                              int lane) {
+#pragma unroll
+    for (int sub = 0; sub < TILES; ++sub) {
+      const int first = t0 + 16 * sub, page = sub_page[sub];
+      const bool ok = good(page);
+      bad |= first < end && !ok;
+      const unsigned safe = ok ? page : 0;
+      // This lane's first row of the sub-tile; its next rows follow every kRowStep tokens
+      // (the same step for every lane: one 64-bit add per row), V at a fixed distance.
+      const int8_t* k = k_head + safe * page_stride +
+                        static_cast<unsigned>((first & mask) * token_stride + row_offset[0]);
+      const int row_step = kRowStep * token_stride;
+#pragma unroll
+      for (int j = 0; j < kLoadsPerSub; ++j) {
+        const int i = sub * kLoadsPerSub + j, index_in_tile = lane + 32 * i;
+        const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
+        const int bytes = ok && t0 + row < end ? 16 : 0;
+        const int8_t* src = k + j * row_step;
+        cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk), src, bytes);
+        cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk),
+                    src + v_delta, bytes);
+      }
+      issue_scales(stage, index, sub, first, end, lane, safe, ok);
+    }
+  }
+
+  // Pages of fewer than 16 tokens: every row (and scale token) from its own page.
+  __device__ __forceinline__ void issue_rows(uint32_t stage, int index, int t0, int end,
+                                             int lane) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int index_in_tile = lane + 32 * i;
+      const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
+      const bool ok = good(pages[i]), live = t0 + row < end;
+      bad |= live && !ok;
+      const uint64_t offset = static_cast<unsigned>(ok ? pages[i] : 0) * page_stride +
+                              static_cast<unsigned>(row_offset[i]);
+      const int bytes = ok && live ? 16 : 0;
+      cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk),
+                  k_head + offset, bytes);
+      cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk),
+                  v_head + offset, bytes);
+    }
+#pragma unroll
+    for (int sub = 0; sub < TILES; ++sub) {
+      const bool ok = good(sub_page[sub]);
+      issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? sub_page[sub] : 0u, ok);
+    }
+  }
+
+  // Lanes 0-15 copy the K scales of tokens 0-15 of the sub-tile at `first`, lanes 16-31 the V
+  // scales; `page` is this lane's token's page (0 when its id is bad: nothing is read).
+  __device__ __forceinline__ void issue_scales(uint32_t stage, int index, int sub, int first,
+                                               int end, int lane, unsigned page, bool ok) {
+    if constexpr (TOKEN_SCALES) {
+      const char* src = scale_head + page * scale_page_stride +
+                        static_cast<unsigned>((first & mask) * scale_token_stride + scale_offset);
+      if constexpr (kHalfScales) {
+        const uint32_t bit = 1u << (index * TILES + sub);
+        selectors = (reinterpret_cast<uint64_t>(src) & 2) ? selectors | bit : selectors & ~bit;
+      }
+      cp_async_4(stage + (lane >= 16 ? S::kVScale : S::kKScale) + 4 * (16 * sub + lane % 16),
+                 reinterpret_cast<const void*>(reinterpret_cast<uint64_t>(src) & ~uint64_t{3}),
+                 ok && first + lane % 16 < end ? 4 : 0);
+    }
+  }
+
+  // The scale of token `row` (0-15) of sub-tile `sub` of the stage numbered `index`, from the
+  // word copied for it (fp16: the half its address selected).
+  __device__ __forceinline__ float scale(const char* stage, int index, int sub, int row,
+                                         bool is_v) const {
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(
+        stage + (is_v ? S::kVScale : S::kKScale) + 4 * (16 * sub + row));
+    if constexpr (!kHalfScales) {
+      return __uint_as_float(word);
+    } else {
+      const uint32_t owner = __shfl_sync(0xffffffffu, selectors, row + (is_v ? 16 : 0));
+      const bool high = (owner >> (index * TILES + sub)) & 1u;
+      return half_to_float(static_cast<uint16_t>(high ? word >> 16 : word & 0xffffu));
+    }
+  }
+};
+
+// The pager a decode kernel holds: PagedTiles over pages, nothing over a contiguous cache.
+struct NoPager {
+  template <typename P>
+  __device__ __forceinline__ NoPager(const P&, int, int, int) {}
+};
+template <bool PAGED, int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
+struct Pager { using type = PagedTiles<HEAD_DIM, TOKEN_SCALES, ScaleT, TILES>; };
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
+struct Pager<false, HEAD_DIM, TOKEN_SCALES, ScaleT, TILES> { using type = NoPager; };
+
+}  // namespace llfd
