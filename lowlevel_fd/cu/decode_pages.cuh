@@ -34,7 +34,7 @@ struct PagedTiles {
   int token_stride, scale_token_stride;
   int shift, mask, num_pages;
   bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
-  int row_offset[kLoads];  // bytes of this lane's chunks past their sub-tile's first slot
+  int row0, chunk_bytes;   // this lane's first row of a sub-tile, and its chunk's byte offset
   int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
   int pages[kLoads];       // small pages: the page of each of this lane's rows, next tile
   int sub_page[TILES];     // whole pages: the page of each sub-tile; small: of this lane's
@@ -59,12 +59,9 @@ struct PagedTiles {
         num_pages(p.num_pages),
         whole(p.page_shift >= 4) {
     // Tiles start at multiples of 16 tokens, so a row's slot is its sub-tile's first slot
-    // (0 when pages are smaller than 16) plus (row % 16) & mask: a per-lane constant.
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int index = lane + 32 * i, row = index / S::kRowChunks;
-      row_offset[i] = ((row % 16) & mask) * token_stride + 16 * (index % S::kRowChunks);
-    }
+    // (0 when pages are smaller than 16) plus (row % 16) & mask (row_offset).
+    row0 = lane / S::kRowChunks;
+    chunk_bytes = 16 * (lane % S::kRowChunks);
     scale_offset = ((lane % 16) & mask) * scale_token_stride;
   }
 
@@ -86,6 +83,11 @@ struct PagedTiles {
 #pragma unroll
       for (int sub = 0; sub < TILES; ++sub)
         sub_page[sub] = __ldg(table + (min(t0 + 16 * sub + lane % 16, end - 1) >> shift));
+  }
+
+  // Bytes of this lane's chunk i of a tile past its sub-tile's first slot.
+  __device__ __forceinline__ int row_offset(int i) const {
+    return (((row0 + kRowStep * i) % 16) & mask) * token_stride + chunk_bytes;
   }
 
   __device__ __forceinline__ bool good(int page) const {
@@ -115,7 +117,7 @@ struct PagedTiles {
       // This lane's first row of the sub-tile; its next rows follow every kRowStep tokens
       // (the same step for every lane: one 64-bit add per row), V at a fixed distance.
       const int8_t* k = k_head + safe * page_stride +
-                        static_cast<unsigned>((first & mask) * token_stride + row_offset[0]);
+                        static_cast<unsigned>((first & mask) * token_stride + row_offset(0));
       const int row_step = kRowStep * token_stride;
 #pragma unroll
       for (int j = 0; j < kLoadsPerSub; ++j) {
@@ -141,7 +143,7 @@ struct PagedTiles {
       const bool ok = good(pages[i]), live = t0 + row < end;
       bad |= live && !ok;
       const uint64_t offset = static_cast<unsigned>(ok ? pages[i] : 0) * page_stride +
-                              static_cast<unsigned>(row_offset[i]);
+                              static_cast<unsigned>(row_offset(i));
       const int bytes = ok && live ? 16 : 0;
       cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk),
                   k_head + offset, bytes);
