@@ -140,6 +140,27 @@ def test_flags_replace_the_default_sweep_by_a_product():
     assert {w.num_kv_heads for w in only_heads} == {1}
 
 
+def test_page_sizes_add_paged_rows_beside_the_contiguous_ones():
+    _, sweep, _ = bench.parse(["--shapes", "4,100", "--page-size", "0,16,1",
+                               "--layout", "bnsh,nhd,hnd"])
+    assert [(w.kv_layout, w.page_size) for w in sweep] == [
+        ("bnsh", 0), ("nhd", 16), ("nhd", 1), ("hnd", 16), ("hnd", 1)]
+    paged = sweep[1]
+    assert paged.pages_per_seq == 7 and paged.num_pages == 28
+    assert paged.cache_shape == (28, 16, 8, 128) and sweep[3].cache_shape == (28, 8, 16, 128)
+    assert paged.scale_shape == (28, 16, 8) and sweep[3].scale_shape == (28, 8, 16)
+    assert paged.kv_bytes == sweep[0].kv_bytes  # the live tokens, not the pool
+    assert paged.label.endswith("page 16") and report.storage_label(paged.as_dict()) == "nhd/16"
+    _, ordered, _ = bench.parse(["--shapes", "4,100", "--page-size", "64",
+                                 "--page-order", "ordered"])
+    assert [(w.kv_layout, w.page_size, w.page_order) for w in ordered] == [
+        ("nhd", 64, "ordered")]
+    assert report.storage_label(ordered[0].as_dict()) == "nhd/64o"
+    for bad in ("3", "512", "x"):
+        with pytest.raises(SystemExit):
+            bench.parse(["--page-size", bad])
+
+
 def test_bad_flags_exit_with_usage_error(capsys):
     for argv in (["--shapes", "1"], ["--layout", "nhsd"], ["--config", "4,1"],
                  ["--layers", "0"]):

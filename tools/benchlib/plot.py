@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .report import storage_label
 from .workloads import MIB
 
 
@@ -18,13 +19,22 @@ def write_plot(results: Sequence[dict], bandwidth_gbps: float | None, path: str,
         return False
     ok = [r for r in results if r.get("graph")]
     fig, ax = plt.subplots(figsize=(8, 5))
-    xs = [r["workload"]["kv_bytes"] / MIB for r in ok]
-    ax.scatter(xs, [r["graph"]["gbps"] for r in ok], marker="o", label="lowlevel_fd INT8 "
-               "(graph replay)", zorder=3)
-    for x, r in zip(xs, ok):
-        w = r["workload"]
-        ax.annotate(f"{w['batch']},{w['seq_len']}", (x, r["graph"]["gbps"]), fontsize=7,
-                    textcoords="offset points", xytext=(4, 4))
+    # One series per storage: contiguous, and each paged layout and page size.
+    kinds = list(dict.fromkeys(storage_label(r["workload"]) for r in ok))
+    contiguous = [k for k in kinds if "/" not in k]
+    for kind in kinds:
+        rows = [r for r in ok if storage_label(r["workload"]) == kind]
+        xs = [r["workload"]["kv_bytes"] / MIB for r in rows]
+        paged = "/" in kind
+        name = (f"INT8 paged {kind}" if paged else
+                "INT8 contiguous" + (f" {kind}" if len(contiguous) > 1 else ""))
+        ax.scatter(xs, [r["graph"]["gbps"] for r in rows], marker="x" if paged else "o",
+                   s=18 if paged else 30, label=f"lowlevel_fd {name} (graph replay)", zorder=3)
+        if not paged:
+            for x, r in zip(xs, rows):
+                w = r["workload"]
+                ax.annotate(f"{w['batch']},{w['seq_len']}", (x, r["graph"]["gbps"]),
+                            fontsize=7, textcoords="offset points", xytext=(4, 4))
     with_base = [r for r in ok if r.get("baseline")]
     if with_base:
         ax.scatter([r["workload"]["kv_bytes"] / MIB for r in with_base],

@@ -31,10 +31,18 @@ def _check_cell(check: dict | None) -> str:
     return text if check["ok"] else f"FAIL {text}"
 
 
+def storage_label(w: dict) -> str:
+    """The layout, with the page size of a paged cache (``nhd/16``; ``o`` = pages in order)."""
+    page = w.get("page_size") or 0
+    if not page:
+        return w["kv_layout"]
+    return f"{w['kv_layout']}/{page}" + ("o" if w.get("page_order") == "ordered" else "")
+
+
 def row_cells(result: dict) -> list[str]:
     w = result["workload"]
     cells = [str(w["batch"]), str(w["seq_len"]), f"{w['num_q_heads']}/{w['num_kv_heads']}",
-             w["kv_layout"], w["mode_label"], w["q_label"], f"{w['kv_bytes'] / MIB:.1f}",
+             storage_label(w), w["mode_label"], w["q_label"], f"{w['kv_bytes'] / MIB:.1f}",
              f"{result.get('layers', '-')}{'' if result.get('l2_honest', True) else '*'}"]
     if result.get("error"):
         return cells + ["ERROR: " + result["error"].splitlines()[-1][:60]] + [""] * 6
