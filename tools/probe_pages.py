@@ -26,12 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contiguous", default="bnsh,bsnh", help="contiguous layouts to time")
     parser.add_argument("--orders", default="random,ordered")
     parser.add_argument("--stages", default="0", help="pipeline stages (0: the planner's)")
+    parser.add_argument("--tiles", default="0", help="16-token tiles per warp step (0: the "
+                                                     "planner's)")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream
     device, stream = Device(0), Stream()
-    stages = [int(s) for s in args.stages.split(",")]
-    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'stages':>6} "
+    stages = [(int(s), int(t)) for s in args.stages.split(",") for t in args.tiles.split(",")]
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'st/t':>6} "
           f"{'us':>8} {'ratio':>6}")
     for batch, seq_len in parse_shapes(args.shapes):
         variants = [Workload(batch, seq_len, kv_layout=layout)
@@ -44,10 +46,16 @@ def main(argv: list[str] | None = None) -> int:
             bench = WorkloadBench(work, layer_count(work.bytes_per_layer,
                                                     work.footprint_per_layer), device, stream)
             try:
-                for stage in stages:
+                for stage, tiles in stages:
                     bench.replan()
-                    if stage:
-                        bench.replan(dataclasses.replace(bench.planned_config(), stages=stage))
+                    if stage or tiles:
+                        forced = {"stages": stage} if stage else {}
+                        forced.update({"tiles": tiles} if tiles else {})
+                        try:
+                            bench.replan(dataclasses.replace(bench.planned_config(), **forced))
+                        except ValueError as exc:  # its shared memory does not fit
+                            print(f"  {work.label} {forced}: {exc}", flush=True)
+                            continue
                     check = bench.check()
                     if not check.get("ok", True):
                         print(f"check failed: {work.label}: {check}", file=sys.stderr)
@@ -56,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                     base = base or us
                     print(f"{batch:>4} {seq_len:>6} {work.kv_layout:>6} {work.page_size:>5} "
                           f"{work.page_order if work.page_size else '-':>8} "
-                          f"{stage or bench.plan.describe()['stages']:>6} {us:>8.2f} "
+                          f"{bench.plan.describe()['stages']:>3}/t{bench.plan.describe()['tiles']}"
+                          f" {us:>8.2f} "
                           f"{us / base:>6.3f}", flush=True)
             finally:
                 bench.close()
