@@ -180,14 +180,26 @@ decode_split(const __grid_constant__ DecodeParams p) {
   const int first = start + 16 * TILES * warp;
   typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh, lane);
   // Issue the tile at t into stage `index`; a paged lane then fetches the next tile's page ids.
-  auto issue = [&](int index, int t) __attribute__((always_inline)) {
+  // `whole` (BoolTag): the page path, fixed per instantiation of the loop below.
+  auto issue_as = [&](auto whole, int index, int t) __attribute__((always_inline)) {
     if constexpr (PAGED) {
-      pager.issue(pipe_base(index), index, t, end, lane);
-      if (t + kStep < end) pager.fetch(t + kStep, end, lane);
+      constexpr bool kWhole = decltype(whole)::value;
+      pager.template issue_as<kWhole>(pipe_base(index), index, t, end, lane);
+      if (t + kStep < end) pager.template fetch_as<kWhole>(t + kStep, end, lane);
     } else {
       issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(pipe_base(index), k_base, v_base,
                                                         ks_tokens, vs_tokens, p.kv_token_stride,
                                                         t, end, lane);
+    }
+  };
+  auto issue = [&](int index, int t) __attribute__((always_inline)) {
+    if constexpr (PAGED) {
+      if (pager.whole)
+        issue_as(BoolTag<true>{}, index, t);
+      else
+        issue_as(BoolTag<false>{}, index, t);
+    } else {
+      issue_as(BoolTag<true>{}, index, t);
     }
   };
 
@@ -234,157 +246,171 @@ decode_split(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       col_const[hb][i] = k_const * __shfl_sync(0xffffffffu, head_scale[hb], 4 * (2 * c + i));
-  int stage = 0;
-#pragma unroll 1
-  for (int t0 = first; t0 < end; t0 += kStep) {
-    {
-      const int t_issue = t0 + (STAGES - 1) * kStep;
-      const int issue_stage = stage == 0 ? STAGES - 1 : stage - 1;
-      if (t_issue < end) issue(issue_stage, t_issue);
-      cp_async_commit();
-    }
-    cp_async_wait<STAGES - 1>();  // the tiles of t0 have landed (this lane's part)
-    __syncwarp();                 // ... and every other lane's part is visible
-    Tile<HEAD_DIM> cur[TILES];
-    const char* stage_base =
-        reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes;
-#pragma unroll
-    for (int sub = 0; sub < TILES; ++sub)
-      read_tile<HEAD_DIM, kTokenScales, ScaleT, TILES, PAGED>(cur[sub], stage_base, sub, g, c);
-    if constexpr (PAGED && kTokenScales)
-#pragma unroll
-      for (int sub = 0; sub < TILES; ++sub)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          cur[sub].k_scale[half] = pager.scale(stage_base, stage, sub, 8 * half + g, false);
-          cur[sub].v_scale[half] = pager.scale(stage_base, stage, sub, 8 * half + g, true);
-        }
-
-    // ---- score: S^T = K Q^T, rows tokens g and g+8, columns heads 2c, 2c+1 (per block) ----
-    // Even and odd k-steps of every sub-tile accumulate separately: 2 x TILES independent mma
-    // chains per head block.
-    float s[TILES][kBlocks][4], s_odd[TILES][kBlocks][4];
-#pragma unroll
-    for (int sub = 0; sub < TILES; ++sub)
-#pragma unroll
-      for (int hb = 0; hb < kBlocks; ++hb)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[sub][hb][i] = s_odd[sub][hb][i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < G::kChunks; ++j) {
-#pragma unroll
-      for (int sub = 0; sub < TILES; ++sub) {
-        uint32_t a[4];
-        unpack_word(cur[sub].k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
-        unpack_word(cur[sub].k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
-#pragma unroll
-        for (int hb = 0; hb < kBlocks; ++hb) {
-          uint32_t q0, q1;
-          if constexpr (kQueryInShared) {
-            const uint2 q2 = query_shared[hb * G::kChunks + j][lane];
-            q0 = q2.x; q1 = q2.y;
-          } else {
-            q0 = qb[hb][j][0]; q1 = qb[hb][j][1];
-          }
-          mma_16x8x16(j % 2 ? s_odd[sub][hb] : s[sub][hb], a, q0, q1);
-        }
+  // The streaming loop, instantiated per page path (paged kernels: whole pages or rows; the
+  // choice is per launch), so that neither carries the other's registers and branches.
+  auto stream = [&](auto whole) __attribute__((always_inline)) {
+    int stage = 0;
+  #pragma unroll 1
+    for (int t0 = first; t0 < end; t0 += kStep) {
+      {
+        const int t_issue = t0 + (STAGES - 1) * kStep;
+        const int issue_stage = stage == 0 ? STAGES - 1 : stage - 1;
+        if (t_issue < end) issue_as(whole, issue_stage, t_issue);
+        cp_async_commit();
       }
-    }
-    // ---- softmax: scale, mask, online max/sum per head in base 2, once per step ----
-    float correction[kBlocks][2];
-#pragma unroll
-    for (int hb = 0; hb < kBlocks; ++hb) {
-#pragma unroll
+      cp_async_wait<STAGES - 1>();  // the tiles of t0 have landed (this lane's part)
+      __syncwarp();                 // ... and every other lane's part is visible
+      Tile<HEAD_DIM> cur[TILES];
+      const char* stage_base =
+          reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes;
+  #pragma unroll
       for (int sub = 0; sub < TILES; ++sub)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int token = i >> 1, col = i & 1;
-          const bool valid = t0 + 16 * sub + g + 8 * token < end;
-          float scale = col_const[hb][col];
-          if constexpr (kTokenScales) scale *= cur[sub].k_scale[token];
-          s[sub][hb][i] = valid ? (s[sub][hb][i] + s_odd[sub][hb][i]) * scale : kNegInf;
-        }
-#pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        float local = kNegInf;
-#pragma unroll
+        read_tile<HEAD_DIM, kTokenScales, ScaleT, TILES, PAGED>(cur[sub], stage_base, sub, g, c);
+      if constexpr (PAGED && kTokenScales) {  // braces: a pragma inside a lambda must not
+                                              // reach past the if
+  #pragma unroll
         for (int sub = 0; sub < TILES; ++sub)
-          local = fmaxf(local, fmaxf(s[sub][hb][col], s[sub][hb][2 + col]));
-        const float new_max = fmaxf(col_max[hb][col], warp_max_xor_from(local, 4, 16));
-        correction[hb][col] = fast_exp2(col_max[hb][col] - new_max);  // 0 on the first step
-        col_max[hb][col] = new_max;
-        float sum = col_sum[hb][col] * correction[hb][col];
-#pragma unroll
-        for (int sub = 0; sub < TILES; ++sub) {
-          s[sub][hb][col] = fast_exp2(s[sub][hb][col] - new_max);
-          s[sub][hb][2 + col] = fast_exp2(s[sub][hb][2 + col] - new_max);
-          sum += s[sub][hb][col] + s[sub][hb][2 + col];
-        }
-        col_sum[hb][col] = sum;
+  #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            cur[sub].k_scale[half] = pager.scale(stage_base, stage, sub, 8 * half + g, false);
+            cur[sub].v_scale[half] = pager.scale(stage_base, stage, sub, 8 * half + g, true);
+          }
       }
-    }
-    float ratio[TILES][2];
-#pragma unroll
-    for (int sub = 0; sub < TILES; ++sub) ratio[sub][0] = ratio[sub][1] = 1.f;
-    if constexpr (kTokenScales) {
-      float local = 0.f;
-#pragma unroll
+
+      // ---- score: S^T = K Q^T, rows tokens g and g+8, columns heads 2c, 2c+1 (per block) ----
+      // Even and odd k-steps of every sub-tile accumulate separately: 2 x TILES independent mma
+      // chains per head block.
+      float s[TILES][kBlocks][4], s_odd[TILES][kBlocks][4];
+  #pragma unroll
       for (int sub = 0; sub < TILES; ++sub)
-        local = fmaxf(local, fmaxf(cur[sub].v_scale[0], cur[sub].v_scale[1]));
-      const float step_ref = warp_max_xor_from(local, 4, 16);
-      const float new_ref = step_ref > 0.f ? step_ref : v_ref;
-      const float inv_ref = 1.f / new_ref;
-#pragma unroll
+  #pragma unroll
+        for (int hb = 0; hb < kBlocks; ++hb)
+  #pragma unroll
+          for (int i = 0; i < 4; ++i) s[sub][hb][i] = s_odd[sub][hb][i] = 0.f;
+  #pragma unroll
+      for (int j = 0; j < G::kChunks; ++j) {
+  #pragma unroll
+        for (int sub = 0; sub < TILES; ++sub) {
+          uint32_t a[4];
+          unpack_word(cur[sub].k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
+          unpack_word(cur[sub].k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
+  #pragma unroll
+          for (int hb = 0; hb < kBlocks; ++hb) {
+            uint32_t q0, q1;
+            if constexpr (kQueryInShared) {
+              const uint2 q2 = query_shared[hb * G::kChunks + j][lane];
+              q0 = q2.x; q1 = q2.y;
+            } else {
+              q0 = qb[hb][j][0]; q1 = qb[hb][j][1];
+            }
+            mma_16x8x16(j % 2 ? s_odd[sub][hb] : s[sub][hb], a, q0, q1);
+          }
+        }
+      }
+      // ---- softmax: scale, mask, online max/sum per head in base 2, once per step ----
+      float correction[kBlocks][2];
+  #pragma unroll
+      for (int hb = 0; hb < kBlocks; ++hb) {
+  #pragma unroll
+        for (int sub = 0; sub < TILES; ++sub)
+  #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int token = i >> 1, col = i & 1;
+            const bool valid = t0 + 16 * sub + g + 8 * token < end;
+            float scale = col_const[hb][col];
+            if constexpr (kTokenScales) scale *= cur[sub].k_scale[token];
+            s[sub][hb][i] = valid ? (s[sub][hb][i] + s_odd[sub][hb][i]) * scale : kNegInf;
+          }
+  #pragma unroll
+        for (int col = 0; col < 2; ++col) {
+          float local = kNegInf;
+  #pragma unroll
+          for (int sub = 0; sub < TILES; ++sub)
+            local = fmaxf(local, fmaxf(s[sub][hb][col], s[sub][hb][2 + col]));
+          const float new_max = fmaxf(col_max[hb][col], warp_max_xor_from(local, 4, 16));
+          correction[hb][col] = fast_exp2(col_max[hb][col] - new_max);  // 0 on the first step
+          col_max[hb][col] = new_max;
+          float sum = col_sum[hb][col] * correction[hb][col];
+  #pragma unroll
+          for (int sub = 0; sub < TILES; ++sub) {
+            s[sub][hb][col] = fast_exp2(s[sub][hb][col] - new_max);
+            s[sub][hb][2 + col] = fast_exp2(s[sub][hb][2 + col] - new_max);
+            sum += s[sub][hb][col] + s[sub][hb][2 + col];
+          }
+          col_sum[hb][col] = sum;
+        }
+      }
+      float ratio[TILES][2];
+  #pragma unroll
+      for (int sub = 0; sub < TILES; ++sub) ratio[sub][0] = ratio[sub][1] = 1.f;
+      if constexpr (kTokenScales) {
+        float local = 0.f;
+  #pragma unroll
+        for (int sub = 0; sub < TILES; ++sub)
+          local = fmaxf(local, fmaxf(cur[sub].v_scale[0], cur[sub].v_scale[1]));
+        const float step_ref = warp_max_xor_from(local, 4, 16);
+        const float new_ref = step_ref > 0.f ? step_ref : v_ref;
+        const float inv_ref = 1.f / new_ref;
+  #pragma unroll
+        for (int sub = 0; sub < TILES; ++sub) {
+          ratio[sub][0] = cur[sub].v_scale[0] * inv_ref;
+          ratio[sub][1] = cur[sub].v_scale[1] * inv_ref;
+        }
+        const float ref_change = v_ref * inv_ref;
+  #pragma unroll
+        for (int hb = 0; hb < kBlocks; ++hb)
+          correction[hb][0] *= ref_change, correction[hb][1] *= ref_change;
+        v_ref = new_ref;
+      }
+      // ---- accumulate: O^T = O^T * correction + sum over sub-tiles of V^T P^T ----
+      uint32_t pb[TILES][kBlocks][2];
+  #pragma unroll
+      for (int hb = 0; hb < kBlocks; ++hb) {
+  #pragma unroll
+        for (int sub = 0; sub < TILES; ++sub) {
+          pb[sub][hb][0] = transpose_8x8(pack2<f16>(s[sub][hb][0] * ratio[sub][0],
+                                                    s[sub][hb][1] * ratio[sub][0]));
+          pb[sub][hb][1] = transpose_8x8(pack2<f16>(s[sub][hb][2] * ratio[sub][1],
+                                                    s[sub][hb][3] * ratio[sub][1]));
+        }
+  #pragma unroll
+        for (int mb = 0; mb < G::kMBlocks; ++mb) {
+          acc[hb][mb][0] *= correction[hb][0]; acc[hb][mb][2] *= correction[hb][0];
+          acc[hb][mb][1] *= correction[hb][1]; acc[hb][mb][3] *= correction[hb][1];
+        }
+      }
+  #pragma unroll
       for (int sub = 0; sub < TILES; ++sub) {
-        ratio[sub][0] = cur[sub].v_scale[0] * inv_ref;
-        ratio[sub][1] = cur[sub].v_scale[1] * inv_ref;
-      }
-      const float ref_change = v_ref * inv_ref;
-#pragma unroll
-      for (int hb = 0; hb < kBlocks; ++hb)
-        correction[hb][0] *= ref_change, correction[hb][1] *= ref_change;
-      v_ref = new_ref;
+  #pragma unroll
+        for (int w = 0; w < G::kVWords; ++w) {
+          const uint32_t va = cur[sub].v[0][w] ^ 0x80808080u, vb = cur[sub].v[1][w] ^ 0x80808080u;
+          const uint32_t vc = cur[sub].v[2][w] ^ 0x80808080u, vd = cur[sub].v[3][w] ^ 0x80808080u;
+          const uint32_t ab_lo = prmt(va, vb, 0x5140u), ab_hi = prmt(va, vb, 0x7362u);
+          const uint32_t cd_lo = prmt(vc, vd, 0x5140u), cd_hi = prmt(vc, vd, 0x7362u);
+  #define LLFD_PV_BLOCK(I)                                                                  \
+    {                                                                                       \
+      const uint32_t a[4] = {pair_from_interleaved<2 * I>(ab_lo, ab_hi),                    \
+                             pair_from_interleaved<2 * I + 1>(ab_lo, ab_hi),                \
+                             pair_from_interleaved<2 * I>(cd_lo, cd_hi),                    \
+                             pair_from_interleaved<2 * I + 1>(cd_lo, cd_hi)};               \
+      _Pragma("unroll") for (int hb = 0; hb < kBlocks; ++hb)                                \
+          mma_16x8x16(acc[hb][2 * w + I], a, pb[sub][hb][0], pb[sub][hb][1]);               \
     }
-    // ---- accumulate: O^T = O^T * correction + sum over sub-tiles of V^T P^T ----
-    uint32_t pb[TILES][kBlocks][2];
-#pragma unroll
-    for (int hb = 0; hb < kBlocks; ++hb) {
-#pragma unroll
-      for (int sub = 0; sub < TILES; ++sub) {
-        pb[sub][hb][0] = transpose_8x8(pack2<f16>(s[sub][hb][0] * ratio[sub][0],
-                                                  s[sub][hb][1] * ratio[sub][0]));
-        pb[sub][hb][1] = transpose_8x8(pack2<f16>(s[sub][hb][2] * ratio[sub][1],
-                                                  s[sub][hb][3] * ratio[sub][1]));
+          LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1)
+  #undef LLFD_PV_BLOCK
+        }
       }
-#pragma unroll
-      for (int mb = 0; mb < G::kMBlocks; ++mb) {
-        acc[hb][mb][0] *= correction[hb][0]; acc[hb][mb][2] *= correction[hb][0];
-        acc[hb][mb][1] *= correction[hb][1]; acc[hb][mb][3] *= correction[hb][1];
-      }
+      __syncwarp();  // every lane is done with this stage before it is refilled
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
-#pragma unroll
-    for (int sub = 0; sub < TILES; ++sub) {
-#pragma unroll
-      for (int w = 0; w < G::kVWords; ++w) {
-        const uint32_t va = cur[sub].v[0][w] ^ 0x80808080u, vb = cur[sub].v[1][w] ^ 0x80808080u;
-        const uint32_t vc = cur[sub].v[2][w] ^ 0x80808080u, vd = cur[sub].v[3][w] ^ 0x80808080u;
-        const uint32_t ab_lo = prmt(va, vb, 0x5140u), ab_hi = prmt(va, vb, 0x7362u);
-        const uint32_t cd_lo = prmt(vc, vd, 0x5140u), cd_hi = prmt(vc, vd, 0x7362u);
-#define LLFD_PV_BLOCK(I)                                                                  \
-  {                                                                                       \
-    const uint32_t a[4] = {pair_from_interleaved<2 * I>(ab_lo, ab_hi),                    \
-                           pair_from_interleaved<2 * I + 1>(ab_lo, ab_hi),                \
-                           pair_from_interleaved<2 * I>(cd_lo, cd_hi),                    \
-                           pair_from_interleaved<2 * I + 1>(cd_lo, cd_hi)};               \
-    _Pragma("unroll") for (int hb = 0; hb < kBlocks; ++hb)                                \
-        mma_16x8x16(acc[hb][2 * w + I], a, pb[sub][hb][0], pb[sub][hb][1]);               \
-  }
-        LLFD_PV_BLOCK(0) LLFD_PV_BLOCK(1)
-#undef LLFD_PV_BLOCK
-      }
-    }
-    __syncwarp();  // every lane is done with this stage before it is refilled
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  };
+  if constexpr (PAGED) {
+    if (pager.whole)
+      stream(BoolTag<true>{});
+    else
+      stream(BoolTag<false>{});
+  } else {
+    stream(BoolTag<true>{});
   }
   cp_async_wait<0>();
   if constexpr (PAGED)  // after the programmatic wait (every global write comes after it)

@@ -17,6 +17,10 @@
 
 namespace llfd {
 
+// A compile-time bool as a value: the decode loop is instantiated once per page path.
+template <bool B>
+struct BoolTag { static constexpr bool value = B; };
+
 template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
 struct PagedTiles {
   using S = Stage<HEAD_DIM, ScaleT, TILES, true>;
@@ -66,9 +70,18 @@ struct PagedTiles {
   }
 
   // Load the page ids of the tile at t0 (t0 < end). Rows past `end` are never copied: any
-  // id in the table does for them.
+  // id in the table does for them. WHOLE: the path `whole` selects, known at compile time
+  // (the kernel's loop is instantiated for each); fetch/issue pick it at run time.
   __device__ __forceinline__ void fetch(int t0, int end, int lane) {
-    if (whole) {
+    if (whole)
+      fetch_as<true>(t0, end, lane);
+    else
+      fetch_as<false>(t0, end, lane);
+  }
+
+  template <bool WHOLE>
+  __device__ __forceinline__ void fetch_as(int t0, int end, int lane) {
+    if constexpr (WHOLE) {
 #pragma unroll
       for (int sub = 0; sub < TILES; ++sub)
         sub_page[sub] = __ldg(table + (min(t0 + 16 * sub, end - 1) >> shift));
@@ -98,6 +111,15 @@ struct PagedTiles {
   // from the page ids fetched for it: one branch per tile between the two paths.
   __device__ __forceinline__ void issue(uint32_t stage, int index, int t0, int end, int lane) {
     if (whole)
+      issue_as<true>(stage, index, t0, end, lane);
+    else
+      issue_as<false>(stage, index, t0, end, lane);
+  }
+
+  template <bool WHOLE>
+  __device__ __forceinline__ void issue_as(uint32_t stage, int index, int t0, int end,
+                                           int lane) {
+    if constexpr (WHOLE)
       issue_whole(stage, index, t0, end, lane);
     else
       issue_rows(stage, index, t0, end, lane);
