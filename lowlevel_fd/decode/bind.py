@@ -134,3 +134,26 @@ class RunBinder:
         p.q_batch_stride, p.q_head_stride = q.strides[0] // item, q.strides[1] // item
         p.out_batch_stride, p.out_head_stride = out.strides[0] // item, out.strides[1] // item
         write_cache_fields(p, self.spec, cache)
+
+
+def advance_pages(spec: KVCacheSpec, device: Device, block_table: Any, num_pages: Any,
+                  batch: int, capacity: int) -> tuple[int, int, int, int]:
+    """advance_lengths' page arguments: (table address, row stride, pages, page shift); all 0
+    for a contiguous spec."""
+    if not spec.paged:
+        if block_table is not None or num_pages is not None:
+            raise ValueError("block_table: the cache spec is contiguous; expected None")
+        return 0, 0, 0, 0
+    if block_table is None or num_pages is None:
+        raise ValueError("block_table, num_pages: a paged spec needs both (the block table "
+                         "and the pool's page count)")
+    table = check.device_array("block_table", block_table, device)
+    check.dtype("block_table", table, ("int32",))
+    page_size = spec.page_size
+    if table.ndim != 2 or table.shape[0] < batch or table.shape[1] * page_size < capacity:
+        raise ValueError(f"block_table: expected [>= {batch}, >= {-(-capacity // page_size)}] "
+                         f"(capacity {capacity} tokens in pages of {page_size}), got "
+                         f"{table.shape}")
+    check.inner_contiguous("block_table", table)
+    pages = check.positive("num_pages", num_pages)
+    return table.ptr, table.strides[0] // 4, pages, page_size.bit_length() - 1

@@ -16,7 +16,7 @@ from ..core.spec import KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
-from .bind import RunBinder
+from .bind import RunBinder, advance_pages
 from .params import DecodeParams
 from .planner import TileConfig, Workload, check_config, choose
 from .variants import LENGTHS, CombineVariant, DecodeVariant, head_chunks
@@ -272,35 +272,13 @@ class DecodePlan(OnCache):
         lengths = check.device_lengths("seq_lens", seq_lens, self.device, None)
         capacity = check.positive("capacity", capacity)
         batch = lengths.shape[0]
-        table, stride, pages, shift = self._advance_pages(block_table, num_pages, batch,
-                                                          capacity)
+        table, stride, pages, shift = advance_pages(self.cache, self.device, block_table,
+                                                    num_pages, batch, capacity)
         blocks = max(1, min(-(-batch // LENGTHS.threads), 1024))
         self._advance.prepare(LaunchConfig(blocks, LENGTHS.threads, programmatic=self._hopper),
                               lengths, np.int32(batch), np.int32(capacity), np.uint64(table),
                               np.int64(stride), np.int32(pages), np.int32(shift)
                               ).launch(stream)
-
-    def _advance_pages(self, block_table: Any, num_pages: Any, batch: int,
-                       capacity: int) -> tuple[int, int, int, int]:
-        """advance_lengths' page arguments: (table address, row stride, pages, page shift)."""
-        if not self.cache.paged:
-            if block_table is not None or num_pages is not None:
-                raise ValueError("block_table: the cache spec is contiguous; expected None")
-            return 0, 0, 0, 0
-        if block_table is None or num_pages is None:
-            raise ValueError("block_table, num_pages: a paged spec needs both (the block table "
-                             "and the pool's page count)")
-        table = check.device_array("block_table", block_table, self.device)
-        check.dtype("block_table", table, ("int32",))
-        page_size = self.cache.page_size
-        if (table.ndim != 2 or table.shape[0] < batch
-                or table.shape[1] * page_size < capacity):
-            raise ValueError(f"block_table: expected [>= {batch}, >= "
-                             f"{-(-capacity // page_size)}] (capacity {capacity} tokens in "
-                             f"pages of {page_size}), got {table.shape}")
-        check.inner_contiguous("block_table", table)
-        pages = check.positive("num_pages", num_pages)
-        return table.ptr, table.strides[0] // 4, pages, page_size.bit_length() - 1
 
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:
