@@ -320,3 +320,86 @@ def test_bad_page_ids_in_the_writers(rng, stream):
     for n in CACHE:
         changed = np.argwhere((after[n] != before[n]).reshape(after[n].shape[0], -1).any(1))
         assert set(changed.ravel().tolist()) <= written, n
+
+
+# -- pools that are views: K and V in one allocation, scales inline after each row ---------------
+def shared_and_inline(pages: Pages, slot_pad: int = 16) -> tuple[dict, list]:
+    """The pages' pools re-laid out (nhd) as (1) K and V in one ``[N, 2, page, Hkv, D]`` int8
+    allocation and (2) per-token fp32 scales stored inline after each row, in a
+    ``[D bytes][4-byte scale][pad]`` slot of each cache: device views of both, as arguments."""
+    k, v = pages.arrays["k_cache"], pages.arrays["v_cache"]
+    count, ps, hkv, d = k.shape
+    slot = d + slot_pad
+    buffers = []
+    views = {}
+    for name, rows, scales in (("k", k, pages.arrays["k_scale"]),
+                               ("v", v, pages.arrays["v_scale"])):
+        host = np.zeros((count, ps, hkv, slot), np.uint8)
+        host[..., :d] = rows.view(np.uint8)
+        host[..., d:d + 4] = scales.astype(np.float32)[..., None].view(np.uint8)
+        buf = DeviceArray.from_numpy(host)
+        buffers.append(buf)
+        strides = (ps * hkv * slot, hkv * slot, slot)
+        views[f"{name}_cache"] = DeviceArray(buf.ptr, (count, ps, hkv, d), np.int8, buf.device,
+                                             strides + (1,), owner=buf._owner)
+        views[f"{name}_scale"] = DeviceArray(buf.ptr + d, (count, ps, hkv), np.float32,
+                                             buf.device, strides, owner=buf._owner)
+    both = np.stack([k, v], axis=1)  # [N, 2, page, Hkv, D]
+    pair = DeviceArray.from_numpy(both)
+    buffers.append(pair)
+    shared = {"k_cache": pair[:, 0], "v_cache": pair[:, 1]}
+    return {"inline": views, "shared": shared}, buffers
+
+
+def test_pools_as_views_shared_allocation_and_inline_scales(rng, stream):
+    case = Case.random(rng, [0, 15, 16, 17, 700], num_q_heads=16, num_kv_heads=4)
+    out, lse = case.run(case.make_plan(), stream)
+    pages = paginate(rng, contiguous(case), "nhd", 16, token_scales=True)
+    layouts, _buffers = shared_and_inline(pages)
+    table = DeviceArray.from_numpy(pages.table)
+    scales = {n: DeviceArray.from_numpy(pages.arrays[n]) for n in ("k_scale", "v_scale")}
+    for name, arrays in (("shared K/V allocation", {**layouts["shared"], **scales}),
+                         ("inline scales", layouts["inline"])):
+        plan = paged_plan(case, "nhd", 16)
+        plan.plan(case.lengths)
+        result = DeviceArray.full(case.host["q"].shape, float("nan"),
+                                  dtypes.as_dtype(case.dtype))
+        plan.run(case.device["q"], *(arrays[n] for n in CACHE), case.device["seq_lens"],
+                 result, block_table=table, stream=stream)
+        assert plan.error_flags(stream=stream) == 0
+        assert_bitwise(result.numpy(), out.astype(result.numpy().dtype), name)
+
+
+def test_fused_append_into_inline_scales_writes_the_contiguous_bytes(rng, stream):
+    positions = [15, 16, 0, 300]
+    case = Case.random(rng, positions, capacity=336, num_q_heads=16, num_kv_heads=4)
+    qt = dtypes.as_dtype(case.dtype)
+    k_new = DeviceArray.from_numpy(rng.standard_normal((case.batch, 4, 128)).astype(qt))
+    v_new = DeviceArray.from_numpy(rng.standard_normal((case.batch, 4, 128)).astype(qt))
+    pages = paginate(rng, contiguous(case), "nhd", 16, token_scales=True)
+    layouts, buffers = shared_and_inline(pages)
+    inline = layouts["inline"]
+    table = DeviceArray.from_numpy(pages.table)
+    d = case.upload()
+    outs = []
+    for plan, arrays, bt in ((case.make_plan(rope="neox"), [d[n] for n in ("k", "v", "k_scale",
+                                                                             "v_scale")], None),
+                             (paged_plan(case, "nhd", 16, rope="neox"),
+                              [inline[n] for n in CACHE], table)):
+        plan.plan(positions, append=True)
+        out = DeviceArray.full((case.batch, 16, 128), float("nan"), qt)
+        plan.append_and_run(d["q"], k_new, v_new, *arrays, d["seq_lens"], out, block_table=bt,
+                            stream=stream)
+        assert plan.error_flags(stream=stream) == 0
+        outs.append(out.numpy())
+    assert_bitwise(outs[1], outs[0], "out")
+    slots = {name: buf.numpy() for name, buf in zip(("k", "v"), buffers[:2])}
+    pools = {"k_cache": slots["k"][..., :128].view(np.int8),
+             "v_cache": slots["v"][..., :128].view(np.int8),
+             "k_scale": np.ascontiguousarray(slots["k"][..., 128:132]).view(np.float32)[..., 0],
+             "v_scale": np.ascontiguousarray(slots["v"][..., 128:132]).view(np.float32)[..., 0]}
+    written = gather(pages, pools, case.batch, case.capacity, True)
+    expected = {"k_cache": d["k"].numpy(), "v_cache": d["v"].numpy(),
+                "k_scale": d["k_scale"].numpy(), "v_scale": d["v_scale"].numpy()}
+    for name, value in written.items():
+        assert_bitwise(value, expected[name], name)
