@@ -351,6 +351,8 @@ def test_a_rejected_prompt_writes_nothing(monkeypatch):
                 {"prompt_lens": fake((B,), "int64")},
                 {"seq_lens_out": fake((B + 1,), "int32")},
                 {"host_prompt_lens": [0, 21, 0]},
+                {"starts": fake((B,), "float32")},
+                {"starts": fake((B - 1,), "int32")},
                 {"cos_sin": fake((S_MAX, D // 2, 2), "float32")}):
         (name,) = bad
         with pytest.raises((ValueError, TypeError), match=rf"^{name}: "):
@@ -378,7 +380,13 @@ def test_prompt_arguments_are_validated_and_packed(prompt_layout, monkeypatch):
         quantizer.run(k, v, **args, prompt_lens=lens, host_prompt_lens=[21, 0, 0], stream=0)
     with pytest.raises(ValueError, match=re.escape("v: expected shape")):
         quantizer.run(k, fake(shape[:3] + (64,), "float16"), **args, prompt_lens=lens, stream=0)
-    assert len(grids) == 1
+    assert len(grids) == 1 and p.starts == 0  # no starts: every prompt at position 0
+    starts = fake((B,), "int32")
+    quantizer.run(k, v, **args, prompt_lens=lens, starts=starts, stream=0)
+    assert p.starts == starts.ptr and len(grids) == 2
+    with pytest.raises(ValueError, match="^seq_lens_out: must not overlap starts"):
+        quantizer.run(k, v, **args, prompt_lens=lens, starts=starts, seq_lens_out=starts,
+                      stream=0)
 
 
 def test_closed_plan_refuses_to_run():

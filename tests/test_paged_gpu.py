@@ -10,8 +10,8 @@ import pytest
 from decode_case import Case
 from paged_case import Pages, gather, paginate
 
-from lowlevel_fd import (ERROR_BAD_PAGE, AppendPlan, DecodePlan, DecodeStep, LayerBuffers,
-                         PromptQuantizer)
+from lowlevel_fd import (ERROR_BAD_PAGE, ERROR_OUTSIDE_CACHE, AppendPlan, DecodePlan, DecodeStep,
+                         LayerBuffers, PromptQuantizer)
 from lowlevel_fd.core import support
 from lowlevel_fd.driver import DeviceArray, dtypes
 
@@ -403,3 +403,71 @@ def test_fused_append_into_inline_scales_writes_the_contiguous_bytes(rng, stream
                 "k_scale": d["k_scale"].numpy(), "v_scale": d["v_scale"].numpy()}
     for name, value in written.items():
         assert_bitwise(value, expected[name], name)
+
+
+# -- prompts in chunks (chunked prefill's write side): PromptQuantizer(starts=...) -------------
+@pytest.mark.parametrize("layout, page_size", [(None, None), ("hnd", 16), ("nhd", 1)])
+def test_a_prompt_written_in_chunks_equals_the_prompt_written_at_once(rng, stream, layout,
+                                                                      page_size):
+    B, HKV, S = 3, 4, 200
+    qt = dtypes.as_dtype("float16")
+    k = rng.standard_normal((B, S, HKV, 128)).astype(qt)
+    v = rng.standard_normal((B, S, HKV, 128)).astype(qt)
+    lengths = np.array([200, 130, 0], np.int32)
+    split = np.array([64, 129, 0], np.int32)  # the first chunk: a page edge, a ragged end
+    zeros = {"k_cache": np.zeros((B, HKV, S, 128), np.int8),
+             "v_cache": np.zeros((B, HKV, S, 128), np.int8),
+             "k_scale": np.zeros((B, HKV, S), np.float32),
+             "v_scale": np.zeros((B, HKV, S), np.float32)}
+    spec = {} if layout is None else {"kv_layout": layout, "page_size": page_size}
+    results = []
+    for chunked in (False, True):
+        if layout is None:
+            arrays = {n: DeviceArray.from_numpy(x) for n, x in zeros.items()}
+            table = None
+        else:
+            pages = paginate(np.random.default_rng(5), zeros, layout, page_size,
+                             token_scales=True)
+            arrays = pages.upload()
+            table = arrays.pop("block_table")
+        quantizer = PromptQuantizer.create(HKV, 128, max_batch=B, rope="neox", **spec)
+        cached = DeviceArray.from_numpy(np.zeros(B, np.int32))
+        if not chunked:
+            quantizer.run(DeviceArray.from_numpy(k), DeviceArray.from_numpy(v),
+                          *(arrays[n] for n in CACHE), DeviceArray.from_numpy(lengths),
+                          seq_lens_out=cached, block_table=table, stream=stream)
+        else:
+            for first, count in ((0, split), (split, lengths - split)):
+                # chunk b starts at first[b]: the prompt array holds its tokens from index 0
+                chunk_k = np.zeros_like(k)
+                chunk_v = np.zeros_like(v)
+                for b in range(B):
+                    first_b = int(np.broadcast_to(first, (B,))[b])
+                    chunk_k[b, :count[b]] = k[b, first_b:first_b + count[b]]
+                    chunk_v[b, :count[b]] = v[b, first_b:first_b + count[b]]
+                before = DeviceArray.from_numpy(cached.numpy())  # not seq_lens_out itself
+                quantizer.run(DeviceArray.from_numpy(chunk_k), DeviceArray.from_numpy(chunk_v),
+                              *(arrays[n] for n in CACHE),
+                              DeviceArray.from_numpy(count.astype(np.int32)),
+                              starts=before, seq_lens_out=cached, block_table=table,
+                              stream=stream)
+                stream.synchronize()
+        assert quantizer.error_flags(stream=stream) == 0
+        assert cached.numpy().tolist() == lengths.tolist()
+        host = {n: arrays[n].numpy() for n in CACHE}
+        results.append(host if layout is None else gather(pages, host, B, S, True))
+    for name in CACHE:
+        assert_bitwise(results[1][name], results[0][name], name)
+
+    # A chunk that starts outside the cache writes nothing and says so.
+    arrays = {n: DeviceArray.from_numpy(x) for n, x in zeros.items()}
+    quantizer = PromptQuantizer.create(HKV, 128, max_batch=B, rope="neox")
+    starts = DeviceArray.from_numpy(np.array([S + 1, -1, 190], np.int32))
+    out = DeviceArray.from_numpy(np.zeros(B, np.int32))
+    quantizer.run(DeviceArray.from_numpy(k), DeviceArray.from_numpy(v),
+                  *(arrays[n] for n in CACHE), DeviceArray.from_numpy(lengths), starts=starts,
+                  seq_lens_out=out, stream=stream)
+    assert quantizer.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE
+    assert out.numpy().tolist() == [S + 1, -1, 190]  # row 2: 0 tokens from 190
+    for name in CACHE:
+        assert not arrays[name].numpy().any(), name

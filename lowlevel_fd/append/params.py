@@ -20,7 +20,8 @@ class AppendParams(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in _STRIDES]
                 + [("rope_theta", ctypes.c_float)]
                 + [(name, ctypes.c_int32) for name in _INTS]
-                + PAGE_FIELDS)
+                + PAGE_FIELDS
+                + [("starts", ctypes.c_uint64)])  # prompt chunks: first positions, or null
 
 
-assert ctypes.sizeof(AppendParams) == 272, "must match sizeof(llfd::AppendParams)"
+assert ctypes.sizeof(AppendParams) == 280, "must match sizeof(llfd::AppendParams)"

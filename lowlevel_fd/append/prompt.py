@@ -50,38 +50,42 @@ class PromptQuantizer(KernelRunner):
 
     def run(self, k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             prompt_lens: Any, *, seq_lens_out: Any = None, cos_sin: Any = None,
-            host_prompt_lens: Any = None, block_table: Any = None,
+            host_prompt_lens: Any = None, block_table: Any = None, starts: Any = None,
             stream: StreamLike) -> None:
         """Quantize ``k``/``v`` (fp16/bf16 ``[B, S, Hkv, D]`` for prompt_layout 'bsnh',
         ``[B, Hkv, S, D]`` for 'bnsh') into the caches at positions ``0..prompt_lens[b]-1``
-        (int32 ``[B]`` on the device). seq_lens_out: int32 ``[B]`` that receives the lengths
-        written (may be prompt_lens itself). block_table: int32 ``[B, max_pages]`` for a paged
-        spec: token t of sequence b goes to page ``block_table[b][t // page_size]`` (the table
-        attention reads, so no second mapping to keep in sync). host_prompt_lens: the host's
-        copy, if any, checked
-        against S and S_max before launching. Enqueued on ``stream``; returns at once.
+        (int32 ``[B]`` on the device), or, with ``starts`` (int32 ``[B]`` on the device: a
+        chunk after ``starts[b]`` cached tokens, as in chunked prefill), at positions
+        ``starts[b] .. starts[b] + prompt_lens[b] - 1``, rotated at those positions.
+        seq_lens_out: int32 ``[B]`` that receives the tokens cached afterwards (``starts[b]``
+        plus the length written; may be prompt_lens itself, but not starts: every CTA of a
+        sequence reads its start while one writes seq_lens_out). block_table: int32
+        ``[B, max_pages]`` for a paged spec: position t of sequence b goes to page
+        ``block_table[b][t // page_size]`` (the table attention reads, so no second mapping
+        to keep in sync). host_prompt_lens: the host's copy, if any, checked against S and
+        S_max before launching. Enqueued on ``stream``; returns at once.
         """
         self._require_open()
         grid = self._bind(self._params, k, v, k_cache, v_cache, k_scale, v_scale, prompt_lens,
-                          seq_lens_out, cos_sin, host_prompt_lens, block_table)
+                          seq_lens_out, cos_sin, host_prompt_lens, block_table, starts)
         if all(grid):
             self._launch(grid, stream)
 
     def prepare_run(self, k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any,
                     v_scale: Any, prompt_lens: Any, *, seq_lens_out: Any = None,
                     cos_sin: Any = None, host_prompt_lens: Any = None,
-                    block_table: Any = None) -> PreparedAppend:
+                    block_table: Any = None, starts: Any = None) -> PreparedAppend:
         """``run``'s arguments, validated once: ``launch(stream)`` on the result issues the
         same launch with no further checks. Loads the kernel (so the call can be captured)."""
         self.load()
         params = AppendParams.from_buffer_copy(self._params)
         grid = self._bind(params, k, v, k_cache, v_cache, k_scale, v_scale, prompt_lens,
-                          seq_lens_out, cos_sin, host_prompt_lens, block_table)
+                          seq_lens_out, cos_sin, host_prompt_lens, block_table, starts)
         return PreparedAppend(self, params, grid)
 
     def _bind(self, p: AppendParams, k: Any, v: Any, k_cache: Any, v_cache: Any, k_scale: Any,
               v_scale: Any, prompt_lens: Any, seq_lens_out: Any, cos_sin: Any,
-              host_prompt_lens: Any, block_table: Any) -> tuple[int, int]:
+              host_prompt_lens: Any, block_table: Any, starts: Any) -> tuple[int, int]:
         """Check everything, then write it into ``p``; the launch grid."""
         k_rows = self._prompt("k", k, None)
         batch, tokens = k_rows.shape[0], k_rows.shape[self._token_axis]
@@ -90,9 +94,19 @@ class PromptQuantizer(KernelRunner):
         arrays, capacity, table = bind.caches(self, k_cache, v_cache, k_scale, v_scale, batch,
                                               cos_sin, block_table)
         lengths = check.device_lengths("prompt_lens", prompt_lens, self.device, batch)
-        out = 0
+        out = first = 0
         if seq_lens_out is not None:
             out = check.device_lengths("seq_lens_out", seq_lens_out, self.device, batch).ptr
+        if starts is not None:
+            begin = check.device_lengths("starts", starts, self.device, batch)
+            if seq_lens_out is not None:
+                written = check.device_lengths("seq_lens_out", seq_lens_out, self.device, batch)
+                low, high = begin.ptr, begin.ptr + 4 * batch
+                if written.ptr < high and low < written.ptr + 4 * batch:
+                    raise ValueError("seq_lens_out: must not overlap starts (the kernel's CTAs "
+                                     "read starts while one of them writes seq_lens_out); pass "
+                                     "another array")
+            first = begin.ptr
         check.host_within("host_prompt_lens", host_prompt_lens, batch, min(tokens, capacity),
                           f"a prompt must fit the prompt array's S={tokens} and the cache "
                           f"capacity S_max={capacity}")
@@ -106,7 +120,7 @@ class PromptQuantizer(KernelRunner):
         p.v_head_stride = v_rows.strides[head_axis] // item
         p.v_token_stride = v_rows.strides[token_axis] // item
         bind.write_caches(p, self, arrays, table)
-        p.seq_lens, p.seq_lens_out = lengths.ptr, out
+        p.seq_lens, p.seq_lens_out, p.starts = lengths.ptr, out, first
         p.q = p.q_out = 0
         p.num_q_heads, p.prompt_tokens, p.advance = 0, tokens, 0
         return (-(-tokens // PROMPT_TOKENS_PER_CTA), batch)
@@ -134,7 +148,7 @@ def quantize_prompt(cache: KVCacheSpec, k: Any, v: Any, k_cache: Any, v_cache: A
                     k_scale: Any, v_scale: Any, prompt_lens: Any, *,
                     prompt_layout: str = "bsnh", cos_sin: Any = None, seq_lens_out: Any = None,
                     host_prompt_lens: Any = None, block_table: Any = None,
-                    stream: StreamLike) -> PromptQuantizer:
+                    starts: Any = None, stream: StreamLike) -> PromptQuantizer:
     """One-off prompt quantization: builds a PromptQuantizer for ``k``'s dtype, batch and
     device, runs it and returns it (read ``error_flags(stream=...)`` from it). Reuse a
     PromptQuantizer instead when quantizing repeatedly: this allocates its error word."""
@@ -148,5 +162,6 @@ def quantize_prompt(cache: KVCacheSpec, k: Any, v: Any, k_cache: Any, v_cache: A
                                 device=array.device)
     quantizer.run(k, v, k_cache, v_cache, k_scale, v_scale, prompt_lens,
                   seq_lens_out=seq_lens_out, cos_sin=cos_sin,
-                  host_prompt_lens=host_prompt_lens, block_table=block_table, stream=stream)
+                  host_prompt_lens=host_prompt_lens, block_table=block_table, starts=starts,
+                  stream=stream)
     return quantizer

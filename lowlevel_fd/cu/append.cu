@@ -120,9 +120,11 @@ __global__ void __launch_bounds__(kThreads) append_token(const __grid_constant__
   }
 }
 
-// ---- quantize_prompt: positions 0..len-1 of every sequence -----------------------------------
+// ---- quantize_prompt: positions start..start+len-1 of every sequence --------------------------
 // Grid (ceil(S / kPromptTokens), B). Rows: K then V, token-major, head-minor, so neighbouring
-// lane groups touch neighbouring memory in the BSNH layouts.
+// lane groups touch neighbouring memory in the BSNH layouts. Prompt token t goes to position
+// start + t (start = p.starts[b], or 0: a chunk after start cached tokens, as in chunked
+// prefill), rotated at that position.
 template <int HEAD_DIM, int SCALE_MODE, typename T, typename ScaleT, int ROPE>
 __global__ void __launch_bounds__(kThreads)
 quantize_prompt(const __grid_constant__ AppendParams p) {
@@ -138,17 +140,24 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
     if (reporter) atomicOr(p.error_flags, kErrorPromptLength);
     len = len < 0 ? 0 : p.prompt_tokens;
   }
-  if (len > p.capacity) {  // never write outside the cache
+  const int start = p.starts != nullptr ? p.starts[b] : 0;
+  if (start < 0 || start > p.capacity) {  // a chunk that starts outside: nothing written
     if (reporter) atomicOr(p.error_flags, kErrorOutsideCache);
-    len = p.capacity;
+    if (reporter && p.seq_lens_out != nullptr) p.seq_lens_out[b] = start;
+    return;
   }
-  if (reporter && p.seq_lens_out != nullptr) p.seq_lens_out[b] = len;
+  if (len > p.capacity - start) {  // never write outside the cache
+    if (reporter) atomicOr(p.error_flags, kErrorOutsideCache);
+    len = p.capacity - start;
+  }
+  if (reporter && p.seq_lens_out != nullptr) p.seq_lens_out[b] = start + len;
   const int tokens = min(kPromptTokens, len - t0);
   if (tokens <= 0) return;
   if constexpr (ROPE != kRopeNone) {
     for (int idx = threadIdx.x; idx < tokens * (HEAD_DIM / 2); idx += kThreads)
       rope_cs[idx / (HEAD_DIM / 2)][idx % (HEAD_DIM / 2)] =
-          rope_coefficients<HEAD_DIM>(p, t0 + idx / (HEAD_DIM / 2), idx % (HEAD_DIM / 2));
+          rope_coefficients<HEAD_DIM>(p, start + t0 + idx / (HEAD_DIM / 2),
+                                      idx % (HEAD_DIM / 2));
     __syncthreads();
   }
   const int kv_heads = p.num_kv_heads, per_kind = tokens * kv_heads, rows = 2 * per_kind;
@@ -184,7 +193,7 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
       void* scales = is_k ? p.k_scale : p.v_scale;
       const float scale = active ? given_scale<SCALE_MODE>(scales, head) : 0.f;
       int64_t offset = 0, scale_index = 0;
-      bool located = active && locate_token(p, b, head, t, offset, scale_index);
+      bool located = active && locate_token(p, b, head, start + t, offset, scale_index);
       if (active && !located) atomicOr(p.error_flags, kErrorBadPage);
       float dequant;
       quantize_row<HEAD_DIM, SCALE_MODE, ScaleT>(

@@ -39,8 +39,11 @@ struct AppendParams {
   int64_t scale_token_stride;  // elements (per-token mode)
   int32_t num_pages;
   int32_t page_shift;          // log2(page_size)
+  // prompt: the position of each prompt's first token (a chunk after cached tokens), or null
+  // (position 0)
+  const int32_t* starts;
 };
 
-static_assert(sizeof(AppendParams) == 272, "keep in sync with lowlevel_fd/append/params.py");
+static_assert(sizeof(AppendParams) == 280, "keep in sync with lowlevel_fd/append/params.py");
 
 }  // namespace llfd
