@@ -7,7 +7,10 @@ kernel, clusters on sm_90), graph replay, device lengths beyond the capacity. Ap
 mode in both layouts, both RoPE styles from a table and from theta, bf16, positions outside the
 cache. Prompts: both prompt layouts, RoPE, lengths clamped to the prompt and the capacity.
 Fused append: both RoPE styles from a table and from theta, the three merges, head_dim 256,
-positions outside the cache, advance_lengths.
+positions outside the cache, advance_lengths. Paged storage (tests/test_paged_gpu.py's cases):
+page sizes 1, 16 and 256 in both layouts, bad page ids in attention and in every writer, the
+fused append across page edges, prompts in chunks, pools that are views (K and V in one
+allocation, scales inline after each row).
 
 Every result is checked against the oracle, so a silent failure is caught too. Outputs are
 NaN-poisoned and caches fully uploaded first, so initcheck only sees initialized memory.
@@ -327,6 +330,11 @@ case("paged append and prompt kernels",
      lambda rng, stream: paged.test_append_and_prompt_kernels_write_pages_as_contiguous(
          rng, stream, "nhd", 16))
 case("paged bad page ids in every writer", paged.test_bad_page_ids_in_the_writers)
+case("paged prompt in chunks (starts), hnd page 16",
+     lambda rng, stream: paged.test_a_prompt_written_in_chunks_equals_the_prompt_written_at_once(
+         rng, stream, "hnd", 16))
+case("pools as views: K and V in one allocation, inline scales",
+     paged.test_pools_as_views_shared_allocation_and_inline_scales)
 
 
 # -- driver --------------------------------------------------------------------------------------
