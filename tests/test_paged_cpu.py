@@ -175,7 +175,7 @@ def test_append_families_take_the_table():
                                     device=DEVICE)
     grid = prompt._bind(AppendParams(), fake((B, 100, HKV, D), "float16"),
                         fake((B, 100, HKV, D), "float16"), *cache.values(),
-                        fake((B,), "int32"), None, None, None, table)
+                        fake((B,), "int32"), None, None, None, table, None)
     assert grid == (13, B)
 
 
