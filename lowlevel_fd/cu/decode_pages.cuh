@@ -5,8 +5,7 @@
 //    table's latency hides behind a tile of math instead of sitting in front of every copy.
 //  * Pages of >= 16 tokens ("whole": the usual case) hold whole 16-token sub-tiles: one id and
 //    one 64-bit page address per sub-tile, and per row only a lane-constant offset. Smaller
-//    pages: each lane loads one token's id and shuffles hand every row its page. The two
-//    paths are picked per launch; the kernel's loop is instantiated for each.
+//    pages look up every row. The two paths are picked per launch (a uniform branch).
 //  * Rows past the sequence's end and rows of bad page ids are zero-filled without a read.
 //  * Per-token scales are copied as the aligned 4-byte word holding them (fp16: either half;
 //    which one is a bit per stage and sub-tile in `selectors`, read by the consumer through a
@@ -41,9 +40,9 @@ struct PagedTiles {
   bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
   int row0, chunk_bytes;   // this lane's first row of a sub-tile, and its chunk's byte offset
   int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
-  int sub_page[TILES];     // whole pages: the page of each sub-tile of the next tile
-  int token_page;          // small pages: the page of token lane % (16 * TILES) of the next
-                           // tile (rows and scale tokens get theirs by a shuffle)
+  int pages[kLoads];       // small pages: the page of each of this lane's rows, next tile
+  int sub_page[TILES];     // whole pages: the page of each sub-tile; small: of this lane's
+                           // scale token (lane % 16 of each sub-tile)
   uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
   bool bad = false;        // a page id out of range was met
 
@@ -88,7 +87,15 @@ struct PagedTiles {
         sub_page[sub] = __ldg(table + (min(t0 + 16 * sub, end - 1) >> shift));
       return;
     }
-    token_page = __ldg(table + (min(t0 + lane % (16 * TILES), end - 1) >> shift));
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int row = (lane + 32 * i) / S::kRowChunks;
+      pages[i] = __ldg(table + (min(t0 + row, end - 1) >> shift));
+    }
+    if constexpr (TOKEN_SCALES)
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+        sub_page[sub] = __ldg(table + (min(t0 + 16 * sub + lane % 16, end - 1) >> shift));
   }
 
   // Bytes of this lane's chunk i of a tile past its sub-tile's first slot.
@@ -148,19 +155,16 @@ struct PagedTiles {
     }
   }
 
-  // Pages of fewer than 16 tokens: every row (and scale token) from its own page, which the
-  // lane holding that token's id hands over (one table load per lane and tile, not one per
-  // row). Every lane runs every shuffle: the caller's branches are uniform per warp.
+  // Pages of fewer than 16 tokens: every row (and scale token) from its own page.
   __device__ __forceinline__ void issue_rows(uint32_t stage, int index, int t0, int end,
                                              int lane) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int index_in_tile = lane + 32 * i;
       const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
-      const int page = __shfl_sync(0xffffffffu, token_page, row);
-      const bool ok = good(page), live = t0 + row < end;
+      const bool ok = good(pages[i]), live = t0 + row < end;
       bad |= live && !ok;
-      const uint64_t offset = static_cast<unsigned>(ok ? page : 0) * page_stride +
+      const uint64_t offset = static_cast<unsigned>(ok ? pages[i] : 0) * page_stride +
                               static_cast<unsigned>(row_offset(i));
       const int bytes = ok && live ? 16 : 0;
       cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk),
@@ -170,9 +174,8 @@ struct PagedTiles {
     }
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub) {
-      const int page = __shfl_sync(0xffffffffu, token_page, 16 * sub + lane % 16);
-      const bool ok = good(page);
-      issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? page : 0u, ok);
+      const bool ok = good(sub_page[sub]);
+      issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? sub_page[sub] : 0u, ok);
     }
   }
 
