@@ -15,6 +15,7 @@ from .step import DecodeStep, LayerBuffers
 
 __version__ = "0.2.0"
 __all__ = ["AppendPlan", "CompileError", "CudaError", "DecodePlan", "DecodeStep", "Device",
-           "DeviceArray", "ERROR_BAD_PAGE", "ERROR_OUTSIDE_CACHE", "ERROR_PROMPT_LENGTH", "Event", "Graph",
+           "DeviceArray", "ERROR_BAD_PAGE", "ERROR_OUTSIDE_CACHE", "ERROR_PROMPT_LENGTH",
+           "Event", "Graph",
            "KVCacheSpec", "LayerBuffers", "PromptQuantizer", "Stream", "TileConfig",
            "__version__", "as_device_array", "capture", "gpu_available", "quantize_prompt"]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core.support import CONTIGUOUS_LAYOUTS as KV_LAYOUTS, ROPE_STYLES as _ROPE_STYLES, SCALE_MODES
+from .core.support import CONTIGUOUS_LAYOUTS as KV_LAYOUTS
+from .core.support import ROPE_STYLES as _ROPE_STYLES
+from .core.support import SCALE_MODES
 
 ROPE_STYLES = tuple(s for s in _ROPE_STYLES if s is not None)
 

@@ -139,7 +139,8 @@ def test_prompt_ref_matches_token_by_token_appends(rng, prompt_layout):
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"head_dim": 96}, ValueError, "head_dim: expected one of [64, 128, 256], got 96"),
     ({"dtype": "float32"}, ValueError, "dtype: expected one of ['float16', 'bfloat16']"),
-    ({"kv_layout": "nhsd"}, ValueError, "kv_layout: expected one of ['bnsh', 'bsnh', 'nhd', 'hnd']"),
+    ({"kv_layout": "nhsd"}, ValueError,
+     "kv_layout: expected one of ['bnsh', 'bsnh', 'nhd', 'hnd']"),
     ({"scale_mode": "channel"}, ValueError, "scale_mode: expected one of"),
     ({"scale_mode": "head", "scale_dtype": "float16"}, ValueError,
      "scale_dtype: expected one of ['float32'], got 'float16'"),
