@@ -1,0 +1,77 @@
+"""Float64 numpy oracle for multi-token attention over an INT8 KV cache: prefill, chunked
+prefill and speculative verification (the issue's semantics).
+
+Queries are packed ``[total_q, Hq, D]``, sequence b owning rows ``qo_indptr[b] ..
+qo_indptr[b + 1] - 1``; ``seq_lens[b]`` counts the cached tokens including the new ones, so
+the new tokens are the last ``qo_len[b]`` positions. Query i of sequence b (0-based in its
+chunk) attends KV positions ``t <= seq_lens[b] - qo_len[b] + i`` (causal), or all
+``seq_lens[b]`` (``causal=False``: every draft token sees the whole cache). Test-only, like
+reference.py, whose dequantization and softmax it shares.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .reference import (_broadcastable_scale, _cache_dims, _check_seq_lens, _live_prefix,
+                        _softmax_attention)
+
+
+def check_qo_indptr(qo_indptr, total_q: int, seq_lens: np.ndarray) -> np.ndarray:
+    """``qo_indptr`` as int64 ``[B + 1]``: starting at 0, non-decreasing, ending at
+    ``total_q``, and no sequence with more new tokens than cached ones."""
+    indptr = np.asarray(qo_indptr)
+    if indptr.ndim != 1 or indptr.size != seq_lens.size + 1:
+        raise ValueError(f"qo_indptr: expected shape [B + 1]=({seq_lens.size + 1},), got "
+                         f"{indptr.shape}")
+    if not np.issubdtype(indptr.dtype, np.integer):
+        raise ValueError(f"qo_indptr: expected integers, got {indptr.dtype}")
+    indptr = indptr.astype(np.int64)
+    if indptr[0] != 0 or indptr[-1] != total_q:
+        raise ValueError(f"qo_indptr: expected to start at 0 and end at total_q={total_q}, got "
+                         f"{indptr[0]} .. {indptr[-1]}")
+    qo_len = np.diff(indptr)
+    if (qo_len < 0).any():
+        b = int(np.argmax(qo_len < 0))
+        raise ValueError(f"qo_indptr: expected non-decreasing offsets, got {indptr[b]} then "
+                         f"{indptr[b + 1]} at sequence {b}")
+    if (qo_len > seq_lens).any():
+        b = int(np.argmax(qo_len > seq_lens))
+        raise ValueError(f"qo_indptr: sequence {b} has {qo_len[b]} new tokens but "
+                         f"seq_lens[{b}] = {seq_lens[b]} (they are part of it)")
+    return indptr
+
+
+def multi_token_attention_ref(
+    q: np.ndarray, qo_indptr, k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale,
+    seq_lens, *, kv_layout: str = "bnsh", scale_mode: str = "token",
+    sm_scale: float | None = None, causal: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out ``[total_q, Hq, D]``, lse ``[total_q, Hq]``) float64, lse the natural log."""
+    q = np.asarray(q)
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    batch, num_kv_heads, max_seq_len, head_dim = _cache_dims(k_cache, kv_layout, "k_cache")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected shape {k_cache.shape} like k_cache, got "
+                         f"{v_cache.shape}")
+    if q.ndim != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q: expected [total_q, Hq, {head_dim}] with Hq a multiple of "
+                         f"{num_kv_heads}, got {q.shape}")
+    lengths = _check_seq_lens(seq_lens, batch, max_seq_len)
+    indptr = check_qo_indptr(qo_indptr, q.shape[0], lengths)
+    k_scale_b = _broadcastable_scale(k_scale, k_cache, kv_layout, scale_mode, "k_scale")
+    v_scale_b = _broadcastable_scale(v_scale, v_cache, kv_layout, scale_mode, "v_scale")
+    scale = 1.0 / np.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    q64 = q.astype(np.float64)
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:2], -np.inf, np.float64)
+    for b in range(batch):
+        length, first, count = int(lengths[b]), int(indptr[b]), int(indptr[b + 1] - indptr[b])
+        if count == 0:
+            continue
+        k_row = _live_prefix(k_cache, k_scale_b, b, length, kv_layout)
+        v_row = _live_prefix(v_cache, v_scale_b, b, length, kv_layout)
+        for i in range(count):
+            visible = length - count + i + 1 if causal else length  # >= 1: count <= length
+            out[first + i], lse[first + i] = _softmax_attention(
+                q64[first + i], k_row[:, :visible], v_row[:, :visible], scale)
+    return out, lse
