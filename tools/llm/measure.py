@@ -23,6 +23,23 @@ from .graph_step import GraphStep
 from .int8_attention import capacity_for
 
 
+def guarded(section: str, name: str, call, failures: list, log):
+    """``call()``, or None after recording its failure in ``failures``: one backend's failure
+    keeps the others' numbers (the reference's failure is raised: nothing compares without
+    it)."""
+    log(f"  {section}: {name} ...")
+    try:
+        return call()
+    except Exception as exc:
+        if name == REFERENCE:
+            raise
+        import traceback
+        failures.append({"backend": name, "error": f"{type(exc).__name__}: {exc}",
+                         "traceback": traceback.format_exc()})
+        log(f"  {section}: {name} FAILED: {exc}")
+        return None
+
+
 def teacher_forced(model, name: str, chunks: torch.Tensor, prompt_tokens: int, *,
                    static_margin: float = 1.0) -> dict:
     """Backend `name` over `chunks` `[B, N]` (int64 ids on the model's device): the top-1 ids
@@ -66,18 +83,11 @@ def accuracy(model, names, chunks: torch.Tensor, prompt_tokens: int, *,
     names = [REFERENCE] + [n for n in names if n != REFERENCE]
     runs, rows = {}, []
     for name in names:
-        log(f"  accuracy: {name} ...")
-        try:
-            runs[name] = teacher_forced(model, name, chunks, prompt_tokens,
-                                        static_margin=static_margin)
-        except Exception as exc:  # one backend's failure keeps the others' numbers
-            if name == REFERENCE:
-                raise
-            import traceback
-            rows.append({"backend": name, "error": f"{type(exc).__name__}: {exc}",
-                         "traceback": traceback.format_exc()})
-            log(f"  accuracy: {name} FAILED: {exc}")
+        run = guarded("accuracy", name, lambda: teacher_forced(
+            model, name, chunks, prompt_tokens, static_margin=static_margin), rows, log)
+        if run is None:
             continue
+        runs[name] = run
         ref, run = runs[REFERENCE], runs[name]
         ppl = math.exp(-run["logp"].double().mean().item())
         ref_ppl = math.exp(-ref["logp"].double().mean().item())
@@ -149,18 +159,11 @@ def generation(model, tokenizer, names, questions, new_tokens: int, *,
     names = [REFERENCE] + [n for n in names if n != REFERENCE]
     outputs, rows, failures = {}, [], []
     for name in names:
-        log(f"  generation: {name} ...")
-        try:
-            outputs[name], flags = greedy(model, name, prompts, new_tokens,
-                                          static_margin=static_margin)
-        except Exception as exc:
-            if name == REFERENCE:
-                raise
-            import traceback
-            failures.append({"backend": name, "error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc()})
-            log(f"  generation: {name} FAILED: {exc}")
+        result = guarded("generation", name, lambda: greedy(
+            model, name, prompts, new_tokens, static_margin=static_margin), failures, log)
+        if result is None:
             continue
+        outputs[name], flags = result
         for k, question in enumerate(questions):
             ids, ref = outputs[name][k], outputs[REFERENCE][k]
             rows.append({"backend": name, "prompt": k, "question": question,
