@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchlib.pages import bnsh_from_pages
 from lowlevel_fd.driver import DeviceArray
 
 
@@ -85,18 +86,7 @@ def gather(pages: Pages, pools: dict[str, np.ndarray], batch: int, tokens: int,
            token_scales: bool) -> dict[str, np.ndarray]:
     """The bnsh caches ``[B, Hkv, tokens, D]`` (and ``[B, Hkv, tokens]`` scales) that the pages
     ``pools`` hold per the table: the inverse of ``paginate``."""
-    ps, layout = pages.page_size, pages.layout
-    out = {}
-    for name in ("k_cache", "v_cache") + (("k_scale", "v_scale") if token_scales else ()):
-        rows = []
-        for b in range(batch):
-            parts = []
-            for j in range(-(-tokens // ps)):
-                page = pools[name][pages.table[b, j]]
-                if name.endswith("cache"):
-                    parts.append(page.swapaxes(0, 1) if layout == "nhd" else page)
-                else:
-                    parts.append(page.T if layout == "nhd" else page)
-            rows.append(np.concatenate(parts, axis=1)[:, :tokens])
-        out[name] = np.stack(rows)
-    return out
+    table = pages.table[:batch, :-(-tokens // pages.page_size)]
+    names = ("k_cache", "v_cache") + (("k_scale", "v_scale") if token_scales else ())
+    return {name: bnsh_from_pages(pools[name], table, pages.layout)[:, :, :tokens]
+            for name in names}

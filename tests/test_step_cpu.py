@@ -377,3 +377,30 @@ def test_only_layers_after_the_first_read_early(monkeypatch, early_reads):
     calls, lengths, capacity = step._prepared([layer() for _ in range(3)], SEQ_LENS)
     step._issue(calls, lengths, capacity, stream=None)
     assert flags == [False, early_reads, early_reads]
+
+
+# -- paged caches ---------------------------------------------------------------------------------
+def paged_layer(table, pages=40) -> dict:
+    ps = 16
+    return layer(k_cache=fake((pages, ps, HKV, D), "int8"),
+                 v_cache=fake((pages, ps, HKV, D), "int8"),
+                 k_scale=fake((pages, ps, HKV), "float32"),
+                 v_scale=fake((pages, ps, HKV), "float32"), block_table=table)
+
+
+def test_a_paged_step_advances_with_its_one_table_and_pool_size():
+    step = planned(kv_layout="nhd", page_size=16)
+    table = fake((B, CAPACITY // 16), "int32")
+    calls, lengths, advance = step._prepared([paged_layer(table) for _ in range(LAYERS)],
+                                             SEQ_LENS)
+    assert advance["capacity"] == CAPACITY and advance["num_pages"] == 40
+    assert advance["block_table"].ptr == table.ptr
+    other = fake((B, CAPACITY // 16), "int32")
+    with pytest.raises(ValueError, match=r"^layers: expected one block_table and pools of one "
+                                         r"size in every layer"):
+        step.validate([paged_layer(table), paged_layer(other), paged_layer(table)], SEQ_LENS)
+    with pytest.raises(ValueError, match=r"^layers: expected one block_table"):
+        step.validate([paged_layer(table), paged_layer(table, pages=41), paged_layer(table)],
+                      SEQ_LENS)
+    with pytest.raises(ValueError, match=r"^layers\[1\]\.block_table: the cache spec is paged"):
+        step.validate([paged_layer(table), paged_layer(None), paged_layer(table)], SEQ_LENS)

@@ -92,6 +92,19 @@ def test_spec_defaults():
     ({"rope_theta": "1e4"}, TypeError, r"^rope_theta: expected a real number, got str '1e4'$"),
     ({"rope_theta": None}, TypeError, r"^rope_theta: expected a real number, got NoneType None$"),
     ({"rope_theta": True}, TypeError, r"^rope_theta: expected a real number, got bool True$"),
+    # page_size: a power of two 1..256 with the paged layouts, None with the contiguous ones
+    ({"kv_layout": "nhd"}, ValueError,
+     r"^page_size: kv_layout='nhd' is paged; expected a page size in \[1, 2, 4, 8, 16, 32, "
+     r"64, 128, 256\], got None$"),
+    ({"kv_layout": "hnd", "page_size": 24}, ValueError,
+     r"^page_size: expected one of \[1, 2, 4, 8, 16, 32, 64, 128, 256\], got 24$"),
+    ({"kv_layout": "hnd", "page_size": 512}, ValueError,
+     r"^page_size: expected one of .*, got 512$"),
+    ({"kv_layout": "nhd", "page_size": 16.0}, TypeError,
+     r"^page_size: expected an int, got float 16.0$"),
+    ({"page_size": 16}, ValueError,
+     r"^page_size: kv_layout='bnsh' is contiguous; expected None \(or a paged layout "
+     r"\['nhd', 'hnd'\]\), got 16$"),
 ])
 def test_spec_rejects_every_field_naming_it(fields, error, message):
     arguments = {"num_kv_heads": HKV, "head_dim": D} | fields

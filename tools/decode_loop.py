@@ -187,12 +187,8 @@ class Loop:
 
     def contiguous(self, name: str, pool: np.ndarray) -> np.ndarray:
         """A paged layer's cache or scales as bnsh ``[B, Hkv, S, ...]`` (the oracle's form)."""
-        pages = pool[self.block_table]  # [B, P, page, H, ...] (nhd) or [B, P, H, page, ...]
-        if self.args.kv_layout == "nhd":
-            pages = np.moveaxis(pages, 3, 1)  # [B, H, P, page, ...]
-        else:
-            pages = np.moveaxis(pages, 2, 1)
-        return pages.reshape(pages.shape[0], pages.shape[1], -1, *pages.shape[4:])
+        from benchlib.pages import bnsh_from_pages
+        return bnsh_from_pages(pool, self.block_table, self.args.kv_layout)
 
 
 def timed_pass(loop: Loop, launch) -> tuple[list[float], list[dict[str, np.ndarray]]]:

@@ -10,6 +10,7 @@ from lowlevel_fd.driver.dtypes import as_dtype
 from lowlevel_fd.reference import decode_attention_ref
 
 from .kernels import fill_random
+from .pages import bnsh_from_pages
 from .workloads import Workload
 
 # int8 bytes uniform on [-128, 127] have a standard deviation of ~74: scales around 1/74 give
@@ -100,12 +101,8 @@ class LayerSet:
         """Sequence b's tokens from its pages: ``[Hkv, S, D]`` (caches) or ``[Hkv, S]``
         (scales), as a contiguous bnsh row."""
         pages = np.stack([pool[int(page)].numpy() for page in self.table[b]])
-        if self.workload.kv_layout == "nhd":  # [P, page, H, ...] -> [H, P * page, ...]
-            pages = np.moveaxis(pages, 2, 0)
-            rows = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
-        else:  # [P, H, page, ...]
-            pages = np.moveaxis(pages, 1, 0)
-            rows = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+        order = np.arange(len(pages))[None]  # the fetched pages, in the row's order
+        rows = bnsh_from_pages(pages, order, self.workload.kv_layout)[0]
         return rows[:, :self.workload.seq_len]
 
     def check_output(self) -> dict:
