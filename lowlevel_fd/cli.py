@@ -17,6 +17,7 @@ from .compiler import (KERNEL_DIR, CompiledProgram, CompileError, CompileOptions
 from .core.support import WARP_COUNTS
 from .decode import shipped_variants as decode_variants
 from .decode.planner import DEFAULT_WARPS
+from .multi import shipped_variants as multi_variants
 from .driver import Device, device_count, driver_version
 
 
@@ -33,6 +34,7 @@ class KernelFamily:
 FAMILIES: list[KernelFamily] = [
     KernelFamily("decode", decode_variants),
     KernelFamily("append", append_variants),
+    KernelFamily("multi", multi_variants),
 ]
 
 

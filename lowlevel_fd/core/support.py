@@ -33,6 +33,8 @@ ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}             # enum RopeStyle
 ERROR_OUTSIDE_CACHE = 1  # a length or position outside [0, capacity): clamped, nothing written
 ERROR_PROMPT_LENGTH = 2  # a prompt length < 0 or > the prompt array's S: clamped
 ERROR_BAD_PAGE = 4       # a block-table page id outside [0, num_pages): never dereferenced
+ERROR_QUERY_RANGE = 8    # device qo_indptr not monotone / past total_q / beyond the plan, or a
+                         # chunk longer than its KV: those rows are zero (lse -inf)
 
 # -- C++ spellings of the template arguments ----------------------------------------------------
 CXX_DTYPES = {"float16": "llfd::f16", "bfloat16": "llfd::bf16"}

@@ -12,5 +12,7 @@ enum RopeStyle : int { kRopeNone = 0, kRopeNeox = 1, kRopeGptj = 2 };
 constexpr uint32_t kErrorOutsideCache = 1u;  // a length or position outside [0, capacity)
 constexpr uint32_t kErrorPromptLength = 2u;  // a prompt length < 0 or > the prompt's S: clamped
 constexpr uint32_t kErrorBadPage = 4u;       // a block-table page id outside [0, num_pages)
+constexpr uint32_t kErrorQueryRange = 8u;    // query rows (qo_indptr) not monotone, past total_q,
+                                             // longer than the KV or than the plan covers
 
 }  // namespace llfd

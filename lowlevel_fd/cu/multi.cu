@@ -1,0 +1,424 @@
+// Multi-token attention over the INT8 cache: prefill, chunked prefill and speculative
+// verification, one kernel (FlashAttention-2 style, on the tensor cores).
+//
+// Grid (64-row tile x KV head, split, sequence). A KV head's query rows are packed token-major
+// (row r: token r / group, query head r % group), so every K/V tile a CTA loads serves all the
+// heads of its group and all the chunk's tokens in the tile. Four warps own 16 rows each (the
+// mma's M); the CTA streams K/V tiles through a cp.async pipeline (multi_tiles.cuh) shared by
+// its warps, converts int8 to fp16 in registers, and keeps an online softmax per row:
+//  * per-tensor / per-head K scales and sm_scale fold into each row's score scale, per-token K
+//    scales multiply the score columns; per-token V scales fold into P relative to the largest
+//    V scale seen (P stays in [0, 1]), the output is rescaled when that reference grows;
+//  * causal: a tile's KV range ends at its last row's position; rows mask per element; a warp
+//    skips tiles past its own last row;
+//  * a tile whose KV range is long next to the grid (short chunks over long prefixes) is cut
+//    into splits; each writes a normalised partial and the last to finish merges them.
+// bf16 queries (and rotated ones) are scaled per row by a power of two into fp16 range.
+#include "multi_tiles.cuh"
+#include "rows.cuh"
+
+#ifndef kNegInf
+#define kNegInf (__int_as_float(0xff800000))
+#endif
+
+namespace llfd {
+
+constexpr int kMultiRows = 64;       // query rows per CTA (multi/plan.py ROWS_PER_CTA)
+constexpr int kMultiStages = 3;      // KV tiles in flight
+constexpr int kMultiMaxSplits = 32;  // multi/planner.py MAX_SPLITS
+constexpr float kMultiLn2 = 0.6931471805599453f;
+
+// This lane's Q fragments for its rows r_lo and r_lo + 8 (dims permuted as the K fragments:
+// multi_tiles.cuh), and each row's scale into fp16 range. Rows past the sequence's are zero.
+template <int HEAD_DIM, typename QT>
+__device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], float (&row_scale)[2],
+                                          const MultiParams& p, const SequenceRows& sr, int kvh,
+                                          int r_lo, int c) {
+  constexpr int kChunks = HEAD_DIM / 16;
+  constexpr bool kWiden = is_same<QT, bf16>::value;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + 8 * hr;
+    uint2 words[kChunks];
+    const bool valid = r < sr.rows;
+    const int token = valid ? r / p.group_size : 0;
+    const uint16_t* row = static_cast<const uint16_t*>(p.q) +
+                          (sr.q0 + token) * p.q_token_stride +
+                          (kvh * p.group_size + r - token * p.group_size) * p.q_head_stride;
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+      words[s] = valid ? __ldg(reinterpret_cast<const uint2*>(row + 16 * s + 4 * c))
+                       : make_uint2(0, 0);
+    row_scale[hr] = 1.f;
+    if (kWiden || p.rope != kRopeNone) {
+      float x[kChunks][4];
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        x[s][0] = to_float<QT>(words[s].x & 0xffff); x[s][1] = to_float<QT>(words[s].x >> 16);
+        x[s][2] = to_float<QT>(words[s].y & 0xffff); x[s][3] = to_float<QT>(words[s].y >> 16);
+      }
+      const int pos = sr.prefix + token;
+      if (p.rope == kRopeNeox && valid) {  // pairs (d, d + D/2): chunks s and s + kChunks/2
+#pragma unroll
+        for (int s = 0; s < kChunks / 2; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 cs = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos,
+                                                          16 * s + 4 * c + e);
+            const float a = x[s][e], b = x[s + kChunks / 2][e];
+            x[s][e] = a * cs.x - b * cs.y;
+            x[s + kChunks / 2][e] = b * cs.x + a * cs.y;
+          }
+      } else if (p.rope == kRopeGptj && valid) {  // pairs (2i, 2i + 1): elements e, e + 1
+#pragma unroll
+        for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const float2 cs = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos,
+                                                          8 * s + 2 * c + e / 2);
+            const float a = x[s][e], b = x[s][e + 1];
+            x[s][e] = a * cs.x - b * cs.y;
+            x[s][e + 1] = a * cs.y + b * cs.x;
+          }
+      }
+      float absmax = 0.f;
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) absmax = fmaxf(absmax, fabsf(x[s][e]));
+      absmax = warp_max_xor(absmax, 2);  // the row's four lanes
+      // Largest power of two with absmax * up < 2^15: fp16 range, bf16 precision kept.
+      const int exponent = absmax > 0.f ? ((__float_as_int(absmax) >> 23) & 0xff) - 127 : 0;
+      const float up = exp2f(static_cast<float>(14 - exponent));
+      row_scale[hr] = 1.f / up;
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s)
+        words[s] = make_uint2(pack2<f16>(x[s][0] * up, x[s][1] * up),
+                              pack2<f16>(x[s][2] * up, x[s][3] * up));
+    }
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s) {
+      qf[s][hr] = words[s].x;      // k = 2c, 2c+1 of row g (hr 0) or g + 8 (hr 1)
+      qf[s][2 + hr] = words[s].y;  // k = 2c+8, 2c+9
+    }
+  }
+}
+
+// Four consecutive output elements of a row.
+template <typename QT>
+__device__ __forceinline__ void store4(void* out, int64_t offset, float a, float b, float c,
+                                      float d) {
+  *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + offset) =
+      make_uint2(pack2<QT>(a, b), pack2<QT>(c, d));
+}
+
+template <int HEAD_DIM, typename QT>
+__device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, int kvh,
+                                  int row0, int tile_rows, int64_t slot, int active,
+                                  float* scratch);
+
+template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED>
+__global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ MultiParams p) {
+  using T = MultiTile<HEAD_DIM>;
+  constexpr int kChunks = HEAD_DIM / 16, kNB = T::kRows / 8, kKT = T::kRows / 16;
+  constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
+  extern __shared__ __align__(128) char smem[];
+  __shared__ int is_last;
+
+  const int kvh = blockIdx.x % p.num_kv_heads;
+  const int tile = p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads;  // long first
+  const int split = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+
+  const SequenceRows sr(p, b, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
+  const int row0 = tile * kMultiRows;
+  if (row0 >= sr.rows) return;
+  const int tile_rows = min(kMultiRows, sr.rows - row0);
+  const int kv_end = sr.limit(p, row0 + tile_rows - 1);
+  int chunk, active;
+  tile_splits<T::kRows>(p, kv_end, chunk, active);
+  if (split >= active) return;
+  const int start = split * chunk, end = min(kv_end, start + chunk);
+
+  const int r_lo = row0 + 16 * warp + g;
+  const bool warp_active = row0 + 16 * warp < sr.rows;
+  const int warp_limit = warp_active ? sr.limit(p, min(row0 + 16 * warp + 15, sr.rows - 1)) : 0;
+  int visible[2];  // tokens [0, visible) of this split each row sees
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+    visible[hr] = r_lo + 8 * hr < sr.rows ? min(end, sr.limit(p, r_lo + 8 * hr)) : 0;
+
+  TileLoader<HEAD_DIM, kTokenScales, ScaleT, PAGED> loader(p, b, kvh);
+  const uint32_t smem_base = shared_address(smem);
+  loader.fetch(start, end);
+#pragma unroll
+  for (int st = 0; st < kMultiStages - 1; ++st) {
+    const int t = start + st * T::kRows;
+    if (t < end) {
+      loader.issue(smem_base + st * T::kBytes, st, t, end);
+      loader.fetch(t + T::kRows, end);
+    }
+    cp_async_commit();
+  }
+
+  // head_dim 256 keeps the Q fragments in shared memory (16 bytes per lane and k-step,
+  // conflict-free): in registers they push the kernel into spills.
+  constexpr bool kQueryInShared = HEAD_DIM == 256;
+  uint4* const q_shared = reinterpret_cast<uint4*>(smem + kMultiStages * T::kBytes) +
+                          warp * kChunks * 32;
+  uint32_t qf[kChunks][4];
+  float row_const[2];
+  load_rows<HEAD_DIM, QT>(qf, row_const, p, sr, kvh, r_lo, c);
+  if constexpr (kQueryInShared)
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+      q_shared[s * 32 + lane] = make_uint4(qf[s][0], qf[s][1], qf[s][2], qf[s][3]);
+  float k_const = p.score_scale_log2, v_const = 1.f;
+  if constexpr (SCALE_MODE == kScalePerTensor) {
+    k_const *= __ldg(static_cast<const float*>(p.k_scale));
+    v_const = __ldg(static_cast<const float*>(p.v_scale));
+  } else if constexpr (SCALE_MODE == kScalePerHead) {
+    k_const *= __ldg(static_cast<const float*>(p.k_scale) + kvh);
+    v_const = __ldg(static_cast<const float*>(p.v_scale) + kvh);
+  }
+  row_const[0] *= k_const;
+  row_const[1] *= k_const;
+
+  float oacc[2 * kChunks][4];
+#pragma unroll
+  for (int n = 0; n < 2 * kChunks; ++n) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  float v_ref = kTokenScales ? 0.f : 1.f;
+
+  int stage = 0;
+#pragma unroll 1
+  for (int t0 = start; t0 < end; t0 += T::kRows) {
+    cp_async_wait<kMultiStages - 2>();
+    loader.widen(smem + stage * T::kBytes, stage);
+    __syncthreads();  // the tile is visible; the stage refilled below is free
+    {
+      const int t_issue = t0 + (kMultiStages - 1) * T::kRows;
+      const int issue_stage = stage == 0 ? kMultiStages - 1 : stage - 1;
+      if (t_issue < end) {
+        loader.issue(smem_base + issue_stage * T::kBytes, issue_stage, t_issue, end);
+        loader.fetch(t_issue + T::kRows, end);
+      }
+      cp_async_commit();
+    }
+    if (warp_active && t0 < warp_limit) {
+      const uint32_t st_addr = smem_base + stage * T::kBytes;
+      const char* st_ptr = smem + stage * T::kBytes;
+      // ---- S = Q K^T: rows g, g + 8, columns (tokens) 8 nb + 2c, +1 ----
+      float s[kNB][4];
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb) {
+        s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+        for (int s4 = 0; s4 < kChunks / 4; ++s4) {
+          uint32_t r[4];
+          ldmatrix_x4(r, st_addr + T::kK + T::offset(8 * nb + (lane & 7), 4 * s4 + (lane >> 3)));
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t u = r[j] ^ 0x80808080u;
+            if constexpr (kQueryInShared) {
+              const uint4 q4 = q_shared[(4 * s4 + j) * 32 + lane];
+              const uint32_t a[4] = {q4.x, q4.y, q4.z, q4.w};
+              mma_16x8x16(s[nb], a, int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
+            } else {
+              mma_16x8x16(s[nb], qf[4 * s4 + j], int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
+            }
+          }
+        }
+      }
+      // ---- scale, mask, online softmax in base 2 ----
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb) {
+        float2 ks = make_float2(1.f, 1.f);
+        if constexpr (kTokenScales)
+          ks = *reinterpret_cast<const float2*>(st_ptr + T::kKScale + 4 * (8 * nb + 2 * c));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = t0 + 8 * nb + 2 * c + (e & 1), hr = e >> 1;
+          const float x = s[nb][e] * row_const[hr] * ((e & 1) ? ks.y : ks.x);
+          s[nb][e] = col < visible[hr] ? x : kNegInf;
+        }
+      }
+      float corr[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float mx = kNegInf;
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * hr], s[nb][2 * hr + 1]));
+        mx = warp_max_xor(mx, 2);
+        const float m_new = fmaxf(m[hr], mx);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
+        corr[hr] = fast_exp2(m[hr] - m_use);
+        m[hr] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) {
+          s[nb][2 * hr] = fast_exp2(s[nb][2 * hr] - m_use);
+          s[nb][2 * hr + 1] = fast_exp2(s[nb][2 * hr + 1] - m_use);
+          sum += s[nb][2 * hr] + s[nb][2 * hr + 1];
+        }
+        l[hr] = l[hr] * corr[hr] + sum;
+      }
+      float ratio[kNB][2];
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb) ratio[nb][0] = ratio[nb][1] = 1.f;
+      if constexpr (kTokenScales) {
+        float local = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) {
+          const float2 vs =
+              *reinterpret_cast<const float2*>(st_ptr + T::kVScale + 4 * (8 * nb + 2 * c));
+          ratio[nb][0] = vs.x;
+          ratio[nb][1] = vs.y;
+          local = fmaxf(local, fmaxf(vs.x, vs.y));
+        }
+        const float new_ref = fmaxf(v_ref, warp_max_xor(local, 2));
+        const float inv = new_ref > 0.f ? 1.f / new_ref : 0.f;
+        const float change = new_ref > 0.f ? v_ref * inv : 1.f;
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) ratio[nb][0] *= inv, ratio[nb][1] *= inv;
+        corr[0] *= change;
+        corr[1] *= change;
+        v_ref = new_ref;
+      }
+#pragma unroll
+      for (int n = 0; n < 2 * kChunks; ++n) {
+        oacc[n][0] *= corr[0]; oacc[n][1] *= corr[0];
+        oacc[n][2] *= corr[1]; oacc[n][3] *= corr[1];
+      }
+      // ---- O += P V: k = 16 tokens per step, n = the even and odd dims of each chunk ----
+#pragma unroll
+      for (int kt = 0; kt < kKT; ++kt) {
+        const float* lo = s[2 * kt];
+        const float* hi = s[2 * kt + 1];
+        const uint32_t a[4] = {
+            pack2<f16>(lo[0] * ratio[2 * kt][0], lo[1] * ratio[2 * kt][1]),
+            pack2<f16>(lo[2] * ratio[2 * kt][0], lo[3] * ratio[2 * kt][1]),
+            pack2<f16>(hi[0] * ratio[2 * kt + 1][0], hi[1] * ratio[2 * kt + 1][1]),
+            pack2<f16>(hi[2] * ratio[2 * kt + 1][0], hi[3] * ratio[2 * kt + 1][1])};
+#pragma unroll
+        for (int dp = 0; dp < kChunks / 2; ++dp) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, st_addr + T::kV +
+                                   T::offset(16 * kt + 8 * ((lane >> 3) & 1) + (lane & 7),
+                                             2 * dp + (lane >> 4)));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t u0 = r[2 * h] ^ 0x80808080u, u1 = r[2 * h + 1] ^ 0x80808080u;
+            const int n = 2 * (2 * dp + h);
+            mma_16x8x16(oacc[n], a, int8_pair<0x4240u>(u0), int8_pair<0x4240u>(u1));
+            mma_16x8x16(oacc[n + 1], a, int8_pair<0x4341u>(u0), int8_pair<0x4341u>(u1));
+          }
+        }
+      }
+    }
+    stage = stage + 1 == kMultiStages ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  if constexpr (PAGED)
+    if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
+
+  // ---- this split's rows: normalised, with their base-2 LSE ----
+  float total[2], lse2[2], scale[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    total[hr] = warp_sum_xor(l[hr], 2);
+    lse2[hr] = total[hr] > 0.f ? m[hr] + __log2f(total[hr]) : kNegInf;
+    scale[hr] = total[hr] > 0.f ? v_const * v_ref / total[hr] : 0.f;
+  }
+  const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
+  const int64_t part = slot * p.num_splits + split;
+  if (warp_active)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r_lo + 8 * hr, local = r - row0;
+      if (r >= sr.rows) continue;
+      const float f = scale[hr];
+      if (active == 1) {
+        const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;
+        const int64_t q_row = sr.q0 + token;
+        const int64_t at = q_row * p.out_token_stride + head * p.out_head_stride;
+#pragma unroll
+        for (int sc = 0; sc < kChunks; ++sc)
+          store4<QT>(p.out, at + 16 * sc + 4 * c, oacc[2 * sc][2 * hr] * f,
+                     oacc[2 * sc + 1][2 * hr] * f, oacc[2 * sc][2 * hr + 1] * f,
+                     oacc[2 * sc + 1][2 * hr + 1] * f);
+        if (p.lse != nullptr && c == 0)
+          p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2[hr] * kMultiLn2;
+      } else {
+        float* dst = p.partial_out + (part * kMultiRows + local) * HEAD_DIM;
+#pragma unroll
+        for (int sc = 0; sc < kChunks; ++sc)
+          *reinterpret_cast<float4*>(dst + 16 * sc + 4 * c) =
+              make_float4(oacc[2 * sc][2 * hr] * f, oacc[2 * sc + 1][2 * hr] * f,
+                          oacc[2 * sc][2 * hr + 1] * f, oacc[2 * sc + 1][2 * hr + 1] * f);
+        if (c == 0) p.partial_lse[part * kMultiRows + local] = lse2[hr];
+      }
+    }
+  if (active == 1) return;
+
+  // ---- the last split of this tile to arrive merges all of them ----
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_tile_splits<HEAD_DIM, QT>(p, sr, kvh, row0, tile_rows, slot, active,
+                                  reinterpret_cast<float*>(smem));
+  if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
+}
+
+// Weighted sum of the tile's split partials (fixed order: reproducible). `scratch`: shared
+// memory for (kMultiMaxSplits + 2) x 64 floats (the pipeline's, no longer in use).
+template <int HEAD_DIM, typename QT>
+__device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, int kvh,
+                                  int row0, int tile_rows, int64_t slot, int active,
+                                  float* scratch) {
+  float* weight = scratch;                                  // [active][64]
+  float* row_total = scratch + kMultiMaxSplits * kMultiRows;  // [64]
+  float* row_best = row_total + kMultiRows;                 // [64]
+  const int64_t base = slot * p.num_splits;
+  for (int i = threadIdx.x; i < active * kMultiRows; i += blockDim.x)
+    weight[i] = __ldcg(p.partial_lse + base * kMultiRows + i);
+  __syncthreads();
+  if (threadIdx.x < kMultiRows) {
+    const int row = threadIdx.x;
+    float best = kNegInf, sum = 0.f;
+    for (int s = 0; s < active; ++s) best = fmaxf(best, weight[s * kMultiRows + row]);
+    for (int s = 0; s < active; ++s) {
+      const float w = best == kNegInf ? 0.f : fast_exp2(weight[s * kMultiRows + row] - best);
+      weight[s * kMultiRows + row] = w;
+      sum += w;
+    }
+    row_total[row] = sum;
+    row_best[row] = best;
+  }
+  __syncthreads();
+  constexpr int kQuads = HEAD_DIM / 4;
+  const float4* parts = reinterpret_cast<const float4*>(p.partial_out) + base * kMultiRows * kQuads;
+  for (int idx = threadIdx.x; idx < tile_rows * kQuads; idx += blockDim.x) {
+    const int local = idx / kQuads, quad = idx % kQuads;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < active; ++s) {
+      const float w = weight[s * kMultiRows + local];
+      const float4 v = __ldcg(parts + (s * kMultiRows + local) * kQuads + quad);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
+    const float sum = row_total[local], inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int r = row0 + local, token = r / p.group_size;
+    const int head = kvh * p.group_size + r - token * p.group_size;
+    const int64_t q_row = sr.q0 + token;
+    store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad,
+               acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (quad == 0 && p.lse != nullptr)
+      p.lse[q_row * p.num_kv_heads * p.group_size + head] =
+          sum > 0.f ? (row_best[local] + __log2f(sum)) * kMultiLn2 : kNegInf;
+  }
+}
+
+}  // namespace llfd

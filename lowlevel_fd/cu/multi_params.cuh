@@ -1,0 +1,97 @@
+// The argument block of the multi-token attention kernel (multi.cu): packed ragged queries over
+// the INT8 cache (prefill, chunked prefill, speculative verification). Passed by value as a
+// __grid_constant__ parameter; its Python twin is lowlevel_fd/multi/params.py.
+#pragma once
+#include "kv_types.cuh"
+
+namespace llfd {
+
+struct MultiParams {
+  const void* q;             // [total_q, Hq, D] fp16/bf16, rows of sequence b at qo_indptr[b]..
+  const int8_t* k_cache;     // the cache fields of core/binding.py (cache_pages.cuh)
+  const int8_t* v_cache;
+  const void* k_scale;
+  const void* v_scale;
+  const int32_t* seq_lens;   // [B]: cached tokens, the chunk's included (its last qo_len)
+  const int32_t* qo_indptr;  // [B + 1]
+  void* out;                 // [total_q, Hq, D] like q
+  float* lse;                // [total_q, Hq] natural log, or null
+  float* partial_out;        // splits: [B * Hkv * max_tiles][num_splits][64 rows][D] fp32
+  float* partial_lse;        //   [B * Hkv * max_tiles][num_splits][64 rows], base 2
+  uint32_t* counters;        //   [B * Hkv * max_tiles]: arrivals (the last split merges)
+  uint32_t* error_flags;     // [1], see kError*
+  const float* cos_sin;      // RoPE of q (rope != 0): [max_pos >= capacity, D/2, 2] or null
+  int64_t q_token_stride, q_head_stride;      // elements
+  int64_t out_token_stride, out_head_stride;  // elements
+  int64_t kv_batch_stride, kv_head_stride, kv_token_stride;  // bytes
+  int64_t scale_batch_stride, scale_head_stride;             // elements, per-token mode
+  float score_scale_log2;    // sm_scale * log2(e)
+  int32_t num_kv_heads;
+  int32_t group_size;        // query heads per KV head: row r of a KV head is token r / group,
+                             // head r % group
+  int32_t num_splits;        // grid.y: the most KV splits a row tile may use
+  int32_t min_split_tokens;  // a split never gets fewer tokens than this (multiple of the tile)
+  int32_t capacity;          // tokens per sequence the cache holds
+  int32_t total_q;           // rows of q and out
+  int32_t max_tiles;         // 64-row tiles per (sequence, KV head) the grid covers
+  int32_t causal;            // 1: query i sees tokens t <= seq_len - qo_len + i
+  int32_t rope;              // RopeStyle applied to q at its positions (0: q as given)
+  float rope_theta;
+  int32_t reserved;
+  // Paged storage (cache_pages.cuh; null block_table: contiguous).
+  const int32_t* block_table;
+  int64_t table_stride;
+  int64_t scale_token_stride;
+  int32_t num_pages;
+  int32_t page_shift;
+};
+
+static_assert(sizeof(MultiParams) == 264, "keep in sync with lowlevel_fd/multi/params.py");
+
+// The rows one CTA owns: sequence b's query rows of KV head kvh, packed token-major (row r is
+// token r / group, query head kvh * group + r % group), tile `tile` of 64 of them. Device
+// values are guarded: a qo_indptr interval that is not monotone or passes total_q and a chunk
+// longer than its KV set a flag and the sequence writes nothing; a length outside the cache
+// is clamped (flagged); rows past the plan's tiles are not computed (flagged).
+struct SequenceRows {
+  int q0, qo_len, prefix, len;  // first query row, chunk tokens, tokens before the chunk, KV
+  int rows;                     // qo_len * group (rows of this KV head)
+
+  __device__ __forceinline__ SequenceRows(const MultiParams& p, int b, bool flagger) {
+    q0 = p.qo_indptr[b];
+    const int q1 = p.qo_indptr[b + 1];
+    len = p.seq_lens[b];
+    uint32_t flags = 0;
+    if (len < 0 || len > p.capacity) {
+      flags |= kErrorOutsideCache;
+      len = len < 0 ? 0 : p.capacity;
+    }
+    qo_len = q1 - q0;
+    if (q0 < 0 || q1 < q0 || q1 > p.total_q || qo_len > len) {
+      flags |= kErrorQueryRange;
+      qo_len = 0;
+      q0 = 0;
+    }
+    rows = qo_len * p.group_size;
+    if (rows > 64 * p.max_tiles) flags |= kErrorQueryRange;
+    prefix = len - qo_len;
+    if (flagger && flags) atomicOr(p.error_flags, flags);
+  }
+  // Tokens row r (of this KV head) may see: causal, its position and all before it.
+  __device__ __forceinline__ int limit(const MultiParams& p, int r) const {
+    return p.causal ? prefix + r / p.group_size + 1 : len;
+  }
+};
+
+// A row tile's KV range [0, kv_end) in splits of `chunk` tokens (a multiple of kTile), `active`
+// of them; from the live lengths, so a captured graph stays right as they change.
+template <int kTile>
+__device__ __forceinline__ void tile_splits(const MultiParams& p, int kv_end, int& chunk,
+                                            int& active) {
+  int per_split = (kv_end + p.num_splits - 1) / p.num_splits;
+  per_split = (per_split + kTile - 1) / kTile * kTile;
+  chunk = per_split > p.min_split_tokens ? per_split : p.min_split_tokens;
+  active = kv_end > 0 ? (kv_end + chunk - 1) / chunk : 1;
+}
+
+}  // namespace llfd

@@ -1,0 +1,191 @@
+// The multi-token kernel's KV tiles: shared-memory stages filled by cp.async from a contiguous
+// or paged cache (cache_pages.cuh), and their int8 rows read as fp16 mma B fragments.
+//
+// Stage layout (bytes): K [kRows][D] | V [kRows][D] | K scales [kRows] fp32 | V scales [kRows].
+// A row's 16-byte chunks are XOR-swizzled by the row (chunk ^ (row & 7); D = 64: the row pair),
+// so the eight row addresses of every ldmatrix phase fall in distinct bank groups.
+//
+// Fragments come from ldmatrix on int8 rows viewed as b16, converted in registers (no fp16
+// copy of the tile in shared memory: that would double the shared-memory traffic of the
+// mma operands):
+//  * K (B of S = Q K^T, k = dims, n = tokens): lane (g, c) gets bytes 4c..4c+3 of token g's
+//    16-dim chunk; they serve as mma k = 2c, 2c+1 (bytes 0, 1) and 2c+8, 2c+9 (bytes 2, 3), and
+//    Q is loaded with the same permutation of the dims (S does not depend on their order).
+//  * V (B of O += P V, k = tokens, n = dims): ldmatrix .trans hands lane (g, c) tokens 2c, 2c+1
+//    at dims 2g, 2g+1 of a chunk; bytes 0, 2 are the B fragment of the "even" n-block (dims
+//    d0 + 2n) and bytes 1, 3 that of the "odd" one (d0 + 2n + 1). A lane's accumulators then
+//    hold dims d0 + 4c .. d0 + 4c + 3 of its rows: one 8-byte store per chunk.
+#pragma once
+#include "multi_params.cuh"
+
+namespace llfd {
+
+template <int HEAD_DIM>
+struct MultiTile {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64/128/256");
+  static constexpr int kRows = HEAD_DIM == 256 ? 32 : 64;  // KV tokens per tile
+  static constexpr int kRowChunks = HEAD_DIM / 16;
+  static constexpr int kK = 0, kV = kRows * HEAD_DIM, kKScale = 2 * kRows * HEAD_DIM;
+  static constexpr int kVScale = kKScale + 4 * kRows;
+  static constexpr int kBytes = kVScale + 4 * kRows;
+  static constexpr int kThreads = 128;
+  static constexpr int kLoads = kRows * kRowChunks / kThreads;  // chunks per thread and tensor
+  static constexpr int kRowStep = kThreads / kRowChunks;        // rows between them
+
+  __device__ static __forceinline__ int offset(int row, int chunk) {
+    const int swizzled = HEAD_DIM == 64 ? chunk ^ ((row >> 1) & 3) : chunk ^ (row & 7);
+    return row * HEAD_DIM + 16 * swizzled;
+  }
+};
+
+// Issues the copies of one tile per call, every thread of the CTA its share: kLoads chunks of K
+// and of V, and (per-token scales) threads 0..2 kRows-1 one K or V scale each. Rows past the
+// range's end and rows in bad pages are zero-filled without a read. Paged: the page ids of the
+// next tile are loaded right after a tile is issued, so their latency hides behind a tile of
+// math. fp16 scales are copied as their aligned 4-byte word (cp.async has no 2-byte form) with
+// the half selected per stage by a bit (`selectors`), and widened to fp32 in place by the same
+// thread once its copies land (widen): the math reads fp32 scales.
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, bool PAGED>
+struct TileLoader {
+  using T = MultiTile<HEAD_DIM>;
+  const int8_t *k_base, *v_base;  // contiguous: this sequence at the KV head; paged: the pools
+  const char *ks_base, *vs_base;  //   at the KV head (bytes)
+  const int32_t* table;           // paged: this sequence's row of the block table
+  int64_t page_stride, token_stride, scale_page_stride, scale_token_stride;  // bytes
+  int shift, mask, num_pages;
+  int row0, chunk;                // this thread's first row and its chunk
+  int pages[T::kLoads];           // paged: the next tile's page of each of this thread's rows
+  int scale_page;                 //   ... and of its scale token
+  uint32_t selectors = 0;         // fp16 scales: bit `stage` set = the high half
+  bool bad = false;               // a page id out of range was met
+
+  __device__ __forceinline__ TileLoader(const MultiParams& p, int b, int kvh) {
+    const int64_t seq = PAGED ? 0 : b;
+    k_base = p.k_cache + seq * p.kv_batch_stride + kvh * p.kv_head_stride;
+    v_base = p.v_cache + seq * p.kv_batch_stride + kvh * p.kv_head_stride;
+    const int64_t scale = (seq * p.scale_batch_stride + kvh * p.scale_head_stride) *
+                          static_cast<int64_t>(sizeof(ScaleT));
+    ks_base = static_cast<const char*>(p.k_scale) + scale;
+    vs_base = static_cast<const char*>(p.v_scale) + scale;
+    table = PAGED ? p.block_table + b * p.table_stride : nullptr;
+    page_stride = p.kv_batch_stride;
+    token_stride = p.kv_token_stride;
+    scale_page_stride = p.scale_batch_stride * static_cast<int64_t>(sizeof(ScaleT));
+    scale_token_stride = p.scale_token_stride * static_cast<int64_t>(sizeof(ScaleT));
+    shift = p.page_shift;
+    mask = (1 << p.page_shift) - 1;
+    num_pages = p.num_pages;
+    row0 = threadIdx.x / T::kRowChunks;
+    chunk = threadIdx.x % T::kRowChunks;
+  }
+
+  __device__ __forceinline__ bool scale_thread() const { return threadIdx.x < 2 * T::kRows; }
+
+  // Paged: the page ids of the tile at t0 (rows before `end` only: the table need not reach
+  // further).
+  __device__ __forceinline__ void fetch(int t0, int end) {
+    if constexpr (PAGED) {
+#pragma unroll
+      for (int i = 0; i < T::kLoads; ++i) {
+        const int t = t0 + row0 + i * T::kRowStep;
+        pages[i] = t < end ? __ldg(table + (t >> shift)) : 0;
+      }
+      const int t = t0 + static_cast<int>(threadIdx.x) % T::kRows;
+      scale_page = TOKEN_SCALES && scale_thread() && t < end ? __ldg(table + (t >> shift)) : 0;
+    }
+  }
+
+  // Byte offset of token t's row in the cache, or -1 when it is not to be read.
+  __device__ __forceinline__ int64_t row_offset(int page, int t, int end) {
+    if (t >= end) return -1;
+    if constexpr (PAGED) {
+      if (static_cast<unsigned>(page) >= static_cast<unsigned>(num_pages)) {
+        bad = true;
+        return -1;
+      }
+      return page * page_stride + (t & mask) * token_stride;
+    } else {
+      return t * token_stride;
+    }
+  }
+
+  __device__ __forceinline__ void issue(uint32_t stage_addr, int stage, int t0, int end) {
+#pragma unroll
+    for (int i = 0; i < T::kLoads; ++i) {
+      const int row = row0 + i * T::kRowStep;
+      const int64_t at = row_offset(PAGED ? pages[i] : 0, t0 + row, end);
+      const int64_t src = at < 0 ? 0 : at + 16 * chunk;
+      const int bytes = at < 0 ? 0 : 16;
+      cp_async_16(stage_addr + T::kK + T::offset(row, chunk), k_base + src, bytes);
+      cp_async_16(stage_addr + T::kV + T::offset(row, chunk), v_base + src, bytes);
+    }
+    if constexpr (TOKEN_SCALES) {
+      if (scale_thread()) {
+        const bool is_v = threadIdx.x >= T::kRows;
+        const int r = threadIdx.x % T::kRows, t = t0 + r;
+        const char* base = is_v ? vs_base : ks_base;
+        int64_t at = -1;
+        if (t < end) {
+          if constexpr (PAGED) {
+            if (static_cast<unsigned>(scale_page) < static_cast<unsigned>(num_pages))
+              at = scale_page * scale_page_stride + (t & mask) * scale_token_stride;
+          } else {
+            at = t * scale_token_stride;
+          }
+        }
+        const uint32_t dst = stage_addr + (is_v ? T::kVScale : T::kKScale) + 4 * r;
+        if constexpr (sizeof(ScaleT) == 2) {
+          // The aligned word holding the scale: 2 bytes when it is the low half (never past
+          // the array's end), all 4 when it is the high half (the low half lies in the same
+          // allocation: an allocation starts 4-byte aligned).
+          const uint64_t address = reinterpret_cast<uint64_t>(base + (at < 0 ? 0 : at));
+          const uint32_t high = (address >> 1) & 1;
+          selectors = (selectors & ~(1u << stage)) | (high << stage);
+          cp_async_4(dst, reinterpret_cast<const void*>(address & ~uint64_t(3)),
+                     at < 0 ? 0 : (high ? 4 : 2));
+        } else {
+          cp_async_4(dst, base + (at < 0 ? 0 : at), at < 0 ? 0 : 4);
+        }
+      }
+    }
+  }
+
+  // fp16 scales: this thread's copied word -> its scale as fp32, in place (after its copies
+  // of `stage` landed, before the barrier that publishes the stage).
+  __device__ __forceinline__ void widen(char* stage_base, int stage) {
+    if constexpr (TOKEN_SCALES && sizeof(ScaleT) == 2) {
+      if (scale_thread()) {
+        const bool is_v = threadIdx.x >= T::kRows;
+        uint32_t* slot = reinterpret_cast<uint32_t*>(
+            stage_base + (is_v ? T::kVScale : T::kKScale) + 4 * (threadIdx.x % T::kRows));
+        const uint32_t word = *slot;
+        const uint16_t bits = ((selectors >> stage) & 1) ? word >> 16 : word & 0xffffu;
+        *reinterpret_cast<float*>(slot) = half_to_float(bits);
+      }
+    }
+  }
+};
+
+// ---- fragments ---------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+// Bytes (SELECTOR's picks) of a word of int8 as an exact fp16 pair (common.cuh's magic-number
+// conversion: the word is biased by XOR 0x80 first).
+template <uint32_t SELECTOR>
+__device__ __forceinline__ uint32_t int8_pair(uint32_t biased) {
+  return hsub2(prmt(biased, kExp1024x4, SELECTOR), kMagic1152x2);
+}
+
+}  // namespace llfd

@@ -1,0 +1,98 @@
+"""Check the arguments of MultiPlan.run and write them into its parameter block.
+
+The cache arrays go through the shared binder (core.binding); this module adds the family's own
+arguments: the packed queries and outputs, the lengths and ``qo_indptr``, the optional LSE and
+RoPE table. Everything is checked before anything is written; a call that repeats the last
+validated arrays (pointers, shapes, strides, dtypes) skips the checks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core import support
+from ..core import validate as check
+from ..core.binding import check_cache, rope_table, wrap_cache, write_cache_fields
+from ..core.spec import KVCacheSpec
+from ..driver import Device, DeviceArray
+from .params import MultiParams
+
+
+class MultiBinder:
+    """The argument checks of one MultiPlan: its spec, heads and dtype, and its current plan's
+    batch, total query rows and longest KV."""
+
+    def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device) -> None:
+        self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
+        self.batch = self.total_q = self.longest = 0
+        self._validated: tuple = ()
+
+    def planned(self, batch: int, total_q: int, longest: int) -> None:
+        self.batch, self.total_q, self.longest, self._validated = batch, total_q, longest, ()
+
+    def bind(self, p: MultiParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
+             v_scale: Any, seq_lens: Any, qo_indptr: Any, out: Any, lse: Any,
+             block_table: Any, cos_sin: Any, rotate_q: bool) -> None:
+        wrap, device = check.device_array, self.device
+        own = (wrap("q", q, device, elements=False), wrap("out", out, device, elements=False),
+               wrap("seq_lens", seq_lens, device, elements=False),
+               wrap("qo_indptr", qo_indptr, device, elements=False),
+               None if lse is None else wrap("lse", lse, device, elements=False),
+               None if cos_sin is None else wrap("cos_sin", cos_sin, device, elements=False))
+        cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, block_table,
+                           elements=False)
+        key = (rotate_q, self.batch, self.total_q, self.longest,
+               *[(a.ptr, a.shape, a.strides, a.dtype) if a is not None else None for a in own],
+               *[(a.ptr, a.shape, a.strides, a.dtype) for a in cache if a is not None])
+        if key != self._validated:
+            self._check(own, cache, rotate_q, cos_sin)
+            self._validated = key
+        q_arr, out_arr, lengths, indptr, lse_arr, table = own
+        item = q_arr.itemsize
+        p.q, p.out, p.seq_lens, p.qo_indptr = q_arr.ptr, out_arr.ptr, lengths.ptr, indptr.ptr
+        p.lse = 0 if lse_arr is None else lse_arr.ptr
+        p.q_token_stride, p.q_head_stride = q_arr.strides[0] // item, q_arr.strides[1] // item
+        p.out_token_stride = out_arr.strides[0] // item
+        p.out_head_stride = out_arr.strides[1] // item
+        write_cache_fields(p, self.spec, cache)
+        p.rope = support.ROPE_IDS[self.spec.rope] if rotate_q else 0
+        p.rope_theta = self.spec.rope_theta
+        p.cos_sin = 0 if table is None else table.ptr
+
+    def _rows(self, name: str, array: DeviceArray) -> None:
+        """fp16/bf16 ``[total_q, Hq, D]`` in the plan's dtype, rows 16-byte aligned."""
+        check.element_aligned(name, array)
+        check.dtype(name, array, (self.dtype,))
+        check.shape(name, array, (None, self.num_q_heads, self.spec.head_dim),
+                    "[total_q, Hq, D]")
+        if array.shape[0] != self.total_q:
+            raise ValueError(f"{name}: expected total_q={self.total_q} rows (the planned "
+                             f"qo_indptr[-1]), got {array.shape[0]}")
+        check.inner_contiguous(name, array)
+        check.aligned(name, array, 16, (0, 1))
+
+    def _check(self, own: tuple, cache: Any, rotate_q: bool, cos_sin: Any) -> None:
+        q, out, lengths, indptr, lse, _ = own
+        self._rows("q", q)
+        self._rows("out", out)
+        check.no_internal_overlap("out", out)
+        check.same_or_disjoint("out", out, "q", q)
+        capacity = check_cache(self.spec, cache, self.batch, written=False)
+        if capacity < self.longest:
+            raise ValueError(f"k_cache: capacity {capacity} tokens is below the planned longest "
+                             f"sequence {self.longest}")
+        check.device_lengths("seq_lens", lengths, self.device, self.batch)
+        check.dtype("qo_indptr", indptr, ("int32",))
+        check.shape("qo_indptr", indptr, (self.batch + 1,), "[B + 1]")
+        check.contiguous("qo_indptr", indptr)
+        if lse is not None:
+            check.element_aligned("lse", lse)
+            check.dtype("lse", lse, ("float32",))
+            check.shape("lse", lse, (self.total_q, self.num_q_heads), "[total_q, Hq]")
+            check.contiguous("lse", lse)
+        check.flag("rotate_q", rotate_q)
+        if rotate_q and self.spec.rope is None:
+            raise ValueError("rotate_q: the cache spec applies no RoPE (rope=None); pass a spec "
+                             "with rope='neox'/'gptj' or rotate_q=False")
+        if cos_sin is not None and not rotate_q:
+            raise ValueError("cos_sin: only used to rotate q; pass rotate_q=True or drop it")
+        rope_table(self.spec, self.device, cos_sin, capacity)

@@ -1,0 +1,225 @@
+"""MultiPlan: attention of packed ragged query chunks over the INT8 cache (prefill, chunked
+prefill, speculative verification). ``plan()`` does the host work; ``run()`` only launches."""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..core import validate as check
+from ..core.errors import ErrorWord
+from ..core.loader import load_kernels
+from ..core.resources import close_all
+from ..core.spec import KVCacheSpec, OnCache, cache_spec
+from ..core.support import DTYPES
+from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
+from ..driver.stream import StreamLike
+from .bind import MultiBinder
+from .params import MultiParams
+from .planner import MultiWorkload, choose_splits
+from .variants import ROWS_PER_CTA, THREADS, MultiVariant, tile_tokens
+
+_LOG2E = 1.4426950408889634
+MAX_GRID_Z = 65535  # the batch is grid.z
+
+
+def host_queries(qo_indptr: Any, seq_lens: Any, max_batch: int,
+                 max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The host copies plan() reads: ``qo_indptr`` [B + 1] (monotone, from 0) and ``seq_lens``
+    [B] with qo_len[b] <= seq_lens[b] <= max_seq_len. Returns (qo_lens, seq_lens) as int64."""
+    for name, values in (("qo_indptr", qo_indptr), ("seq_lens", seq_lens)):
+        if isinstance(values, DeviceArray) or hasattr(values, "__cuda_array_interface__"):
+            raise TypeError(f"{name}: plan() needs the host copy (list or numpy), got a device "
+                            f"array")
+    indptr = check.host_array("qo_indptr", qo_indptr)
+    if indptr.ndim != 1 or indptr.size < 2 or not np.issubdtype(indptr.dtype, np.integer):
+        raise ValueError(f"qo_indptr: expected an integer [B + 1] array with B >= 1, got "
+                         f"{indptr.dtype} {indptr.shape}")
+    indptr = indptr.astype(np.int64)
+    if indptr[0] != 0:
+        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {int(indptr[0])}")
+    qo_lens = np.diff(indptr)
+    falling = np.flatnonzero(qo_lens < 0)
+    if falling.size:
+        b = int(falling[0])
+        raise ValueError(f"qo_indptr: expected a non-decreasing array, got qo_indptr[{b + 1}]="
+                         f"{int(indptr[b + 1])} < qo_indptr[{b}]={int(indptr[b])}")
+    check.int32_count("qo_indptr", int(indptr[-1]), "query rows (total_q)")
+    lengths = check.host_lengths("seq_lens", seq_lens, max_batch, max_seq_len)
+    if lengths.size != qo_lens.size:
+        raise ValueError(f"seq_lens: expected {qo_lens.size} lengths (one per qo_indptr "
+                         f"interval), got {lengths.size}")
+    over = np.flatnonzero(qo_lens > lengths)
+    if over.size:
+        b = int(over[0])
+        raise ValueError(f"qo_indptr: sequence {b} has qo_len {int(qo_lens[b])} > seq_lens[{b}]="
+                         f"{int(lengths[b])} (seq_lens counts the cached tokens including the "
+                         f"chunk's)")
+    return qo_lens, lengths
+
+
+class MultiPlan(OnCache):
+    """Attention of ``qo_len[b]`` new query tokens per sequence over the INT8 cache.
+
+    Queries are packed ``[total_q, Hq, D]`` (sequence b's rows ``qo_indptr[b] ..
+    qo_indptr[b + 1] - 1``); ``seq_lens[b]`` counts the cached tokens including the chunk's,
+    whose K/V must already be in the cache (PromptQuantizer with ``starts``, AppendPlan). Query
+    i of sequence b is at position ``seq_lens[b] - qo_len[b] + i``; causal attention lets it see
+    tokens ``t <= that position``, non-causal (speculative drafts) every cached token.
+    ``plan(qo_indptr, seq_lens)`` takes host copies; ``run`` reads the device copies, so a
+    captured graph follows new values within the plan (the same batch, total_q, at most
+    the planned row tiles per sequence).
+    """
+
+    def __init__(self, cache: KVCacheSpec, num_q_heads: int, *, max_batch: int,
+                 max_seq_len: int, dtype: str = "float16", sm_scale: float | None = None,
+                 device: Device | None = None) -> None:
+        self.cache = cache_spec(cache)
+        self.group_size = self.cache.group_size(num_q_heads)
+        self.num_q_heads = int(num_q_heads)
+        self.max_batch = check.positive("max_batch", max_batch, MAX_GRID_Z + 1)
+        self.max_seq_len = check.positive("max_seq_len", max_seq_len)
+        self.dtype = check.dtype_option("dtype", dtype, DTYPES)
+        if sm_scale is not None:
+            sm_scale = check.real("sm_scale", sm_scale)
+            if sm_scale == 0.0:
+                raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
+        self.sm_scale = 1.0 / math.sqrt(self.cache.head_dim) if sm_scale is None else sm_scale
+        self.device = check.device_option(device)
+        self.variant = MultiVariant.planned(self.cache, self.dtype)
+        self._binder = MultiBinder(self.cache, self.num_q_heads, self.dtype, self.device)
+        self._workspace: dict[str, Any] = {}
+        self._params = MultiParams()
+        self._launch: PreparedLaunch | None = None
+        self._grid = (0, 0, 0)
+        self._description: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, close_all, self._workspace)
+
+    @classmethod
+    def create(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
+               max_seq_len: int, dtype: str = "float16", kv_layout: str = "bnsh",
+               scale_mode: str = "token", scale_dtype: str = "float32",
+               rope: str | None = None, rope_theta: float = 10000.0,
+               page_size: int | None = None, sm_scale: float | None = None,
+               device: Device | None = None) -> "MultiPlan":
+        """The keyword form: builds the KVCacheSpec from the cache options."""
+        spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
+                           rope_theta, page_size=page_size)
+        return cls(spec, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
+                   dtype=dtype, sm_scale=sm_scale, device=device)
+
+    # -- plan ---------------------------------------------------------------------------------
+    def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
+             num_splits: int | None = None) -> "MultiPlan":
+        """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
+        ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
+        ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32)."""
+        self._require_open()
+        check.flag("causal", causal)
+        qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
+        work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
+                             tile_tokens(self.head_dim), ROWS_PER_CTA)
+        kernel = load_kernels(self.variant, self.device)[0]
+        shared = self.variant.shared_bytes
+        kernel.allow_dynamic_shared(shared)
+        ctas_per_sm = kernel.occupancy(THREADS, shared)
+        splits, min_tokens = choose_splits(work, self.device.sm_count, ctas_per_sm)
+        if num_splits is not None:
+            splits = check.positive("num_splits", num_splits, 33)
+        batch, total_q, tiles = int(qo_lens.size), int(qo_lens.sum()), work.max_tiles
+        slots = batch * self.num_kv_heads * tiles
+        self._ensure_workspace(slots * splits * ROWS_PER_CTA if splits > 1 else 0, slots)
+        p = self._params
+        ws = self._workspace
+        p.partial_out, p.partial_lse = ws["partial_out"].ptr, ws["partial_lse"].ptr
+        p.counters, p.error_flags = ws["counters"].ptr, ws["error_flags"].ptr
+        p.score_scale_log2 = self.sm_scale * _LOG2E
+        p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
+        p.num_splits, p.min_split_tokens = splits, min_tokens
+        p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
+        self._grid = (tiles * self.num_kv_heads, splits, batch)
+        check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
+        self._launch = kernel.prepare(LaunchConfig(self._grid, THREADS, shared), p)
+        self._binder.planned(batch, total_q, int(lengths.max()))
+        self._description = {
+            "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
+            "block": THREADS, "rows_per_cta": ROWS_PER_CTA, "max_tiles": tiles,
+            "num_splits": splits, "min_split_tokens": min_tokens,
+            "tile_tokens": tile_tokens(self.head_dim), "registers": kernel.num_registers,
+            "local_bytes": kernel.local_bytes, "shared_bytes": shared,
+            "ctas_per_sm": ctas_per_sm, "kernel": self.variant.kernel,
+        }
+        return self
+
+    def _ensure_workspace(self, rows: int, counters: int) -> None:
+        """``rows`` split partial rows (D floats and an LSE each), ``counters`` merge counters;
+        grows only."""
+        ws = self._workspace
+        if ("partial_lse" in ws and ws["partial_lse"].shape[0] >= max(rows, 1)
+                and ws["counters"].shape[0] >= counters):
+            return
+        for array in ws.values():
+            array.close()
+        ws.clear()
+        rows = max(rows, 1)
+        ws["partial_out"] = DeviceArray.empty(rows * self.head_dim, np.float32, self.device)
+        ws["partial_lse"] = DeviceArray.empty(rows, np.float32, self.device)
+        ws["counters"] = DeviceArray.full(max(counters, 1), 0, np.uint32, self.device)
+        ws["error_flags"] = ErrorWord(self.device)
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+            seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
+            block_table: Any = None, rotate_q: bool = False, cos_sin: Any = None,
+            stream: StreamLike) -> None:
+        """out[i, h] = softmax(sm_scale * q[i, h] K^T) V over the tokens query row i sees.
+
+        q, out: ``[total_q, Hq, D]`` fp16/bf16 (out may be q itself); caches and scales as
+        for DecodePlan.run (contiguous or paged with ``block_table``); seq_lens: int32 ``[B]``
+        and qo_indptr: int32 ``[B + 1]`` on the device; lse: optional fp32 ``[total_q, Hq]``
+        (natural log). ``rotate_q``: apply the spec's RoPE to q at the rows' positions first
+        (angles from ``cos_sin`` [max_pos, D/2, 2] or ``rope_theta``), as the writers rotate K.
+        Device values outside the plan set ERROR_QUERY_RANGE: a sequence whose qo_indptr
+        interval is not monotone, passes total_q or is longer than its KV writes nothing;
+        rows past the planned row tiles are not written. A length outside the cache is
+        clamped (ERROR_OUTSIDE_CACHE). Enqueued on ``stream``; returns at once.
+        """
+        self._require_planned()
+        self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
+                          qo_indptr, out, lse, block_table, cos_sin, rotate_q)
+        if self._binder.total_q:
+            self._launch.launch(stream)  # type: ignore[union-attr]
+
+    # -- introspection and lifetime -----------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """The planned launch: grid, splits, registers, shared memory."""
+        return dict(self._description)
+
+    def error_flags(self, *, stream: StreamLike, clear: bool = True) -> int:
+        """The bits the kernel set since the last clear (see run). Waits for the work enqueued
+        on ``stream``, then clears on it; 0 before the first plan."""
+        self._require_open()
+        word = self._workspace.get("error_flags")
+        return 0 if word is None else word.read(stream, clear)
+
+    def _require_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("MultiPlan is closed")
+
+    def _require_planned(self) -> None:
+        self._require_open()
+        if self._launch is None:
+            raise RuntimeError("run: call plan(qo_indptr, seq_lens) first")
+
+    def close(self) -> None:
+        """Free the workspace; the plan cannot run afterwards."""
+        self._finalizer()
+        self._launch = None
+
+    def __enter__(self) -> "MultiPlan":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,53 @@
+"""How a multi-token launch is cut: host-side rules from the planned query and KV lengths.
+
+A CTA owns 64 packed query rows (tokens x heads of a group) of one KV head. Prefill has
+thousands of such tiles and runs unsplit; a few rows over a long KV (speculative verification,
+short chunks over long prefixes) would leave most SMs idle, so each tile's KV range is cut into
+splits (a multiple of the KV tile each, at least MIN_SPLIT_TILES tiles) until the grid holds
+about WAVES waves of resident CTAs. The device recomputes every split's range from the live
+lengths (multi_params.cuh tile_splits), so a captured graph follows lengths that change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
+MIN_SPLIT_TILES = 4   # KV tiles per split at least: the merge costs about one tile
+WAVES = 2             # resident CTAs per SM times this: the grid the splits aim for
+
+
+@dataclass(frozen=True)
+class MultiWorkload:
+    """What the planner needs: per sequence its chunk (query tokens) and its KV length."""
+
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+    group_size: int
+    num_kv_heads: int
+    tile_tokens: int   # KV tokens per pipeline tile
+    rows_per_cta: int  # query rows per CTA
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """Row tiles per sequence and KV head."""
+        rows = self.qo_lens.astype(np.int64) * self.group_size
+        return -(-rows // self.rows_per_cta)
+
+    @property
+    def max_tiles(self) -> int:
+        return max(1, int(self.tiles.max()))
+
+
+def choose_splits(work: MultiWorkload, sm_count: int, ctas_per_sm: int) -> tuple[int, int]:
+    """(num_splits, min_split_tokens) for this workload on ``sm_count`` SMs that hold
+    ``ctas_per_sm`` CTAs each."""
+    min_tokens = MIN_SPLIT_TILES * work.tile_tokens
+    ctas = int(work.tiles.sum()) * work.num_kv_heads
+    longest = int(work.kv_lens.max()) if work.kv_lens.size else 0
+    target = WAVES * sm_count * max(1, ctas_per_sm)
+    if ctas == 0 or ctas >= target or longest <= min_tokens:
+        return 1, min_tokens
+    splits = min(MAX_SPLITS, -(-target // ctas), -(-longest // min_tokens))
+    return max(1, splits), min_tokens

@@ -1,0 +1,74 @@
+"""The compiled programs of the multi-token family: multi_attend (multi.cu), one program per
+(head_dim, dtype, scale mode, scale dtype, storage)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from ..compiler import CompiledProgram, CompileOptions, compile_cached
+from ..core import support
+from ..core.spec import KVCacheSpec
+
+THREADS = 128       # four warps of 16 query rows
+ROWS_PER_CTA = 64   # kMultiRows in multi.cu
+STAGES = 3          # kMultiStages
+
+
+def tile_tokens(head_dim: int) -> int:
+    """KV tokens per pipeline tile (MultiTile::kRows): 32 at head_dim 256 (registers)."""
+    return 32 if head_dim == 256 else 64
+
+
+@dataclass(frozen=True)
+class MultiVariant:
+    """One instantiation of multi_attend."""
+
+    head_dim: int
+    dtype: str = "float16"
+    scale_mode: str = "token"
+    scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
+    paged: bool = False
+
+    @classmethod
+    def planned(cls, spec: KVCacheSpec, dtype: str) -> "MultiVariant":
+        return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged)
+
+    @property
+    def kernel(self) -> str:
+        return (f"llfd::multi_attend<{self.head_dim}, {support.SCALE_MODE_IDS[self.scale_mode]}, "
+                f"{support.CXX_DTYPES[self.dtype]}, "
+                f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
+                f"{support.cxx_bool(self.paged)}>")
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return (self.kernel,)
+
+    @property
+    def stage_bytes(self) -> int:
+        """K and V rows of a tile and a fp32 K and V scale per token (MultiTile::kBytes)."""
+        rows = tile_tokens(self.head_dim)
+        return 2 * rows * self.head_dim + 8 * rows
+
+    @property
+    def shared_bytes(self) -> int:
+        """The pipeline's stages (reused by the split merge, which needs far less), and at
+        head_dim 256 the warps' Q fragments (16 bytes per lane and 16-dim chunk)."""
+        query = (THREADS // 32) * (self.head_dim // 16) * 32 * 16 if self.head_dim == 256 else 0
+        return STAGES * self.stage_bytes + query
+
+    source = "multi.cu"
+
+    def compile(self, arch: str) -> CompiledProgram:
+        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
+
+
+def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant]:
+    """Every variant a MultiPlan can pick (``num_warps``: the CLI's family interface; one block
+    size here)."""
+    for dim, dtype, paged in itertools.product(support.HEAD_DIMS, support.DTYPES,
+                                               (False, True)):
+        for mode in support.SCALE_MODES:
+            for scale_dtype in support.SCALE_DTYPES[mode]:
+                yield MultiVariant(dim, dtype, mode, scale_dtype, paged)

@@ -1,0 +1,184 @@
+"""MultiPlan on the GPU against the float64 oracle: packed ragged query chunks over the INT8
+cache (prefill, chunked prefill, speculative verification), over the support matrix (head dims,
+dtypes, scale modes, contiguous and paged layouts, group sizes), causal and not, split and not,
+eager and in a graph, and the device guards."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from multi_case import TOLERANCE, MultiCase, relative_error
+
+from lowlevel_fd import ERROR_BAD_PAGE, ERROR_OUTSIDE_CACHE, ERROR_QUERY_RANGE
+from lowlevel_fd.append.reference import rotate
+from lowlevel_fd.driver import DeviceArray, capture
+
+pytestmark = pytest.mark.gpu
+
+SCALES = [("tensor", "float32"), ("head", "float32"), ("token", "float32"),
+          ("token", "float16")]
+LAYOUTS = [("bnsh", None), ("bsnh", None), ("nhd", 16), ("hnd", 1), ("hnd", 64)]
+# Ragged: a lone token, a chunk over a prefix crossing tiles, an empty row, a fresh prefill
+# (qo_len = kv_len) over page and tile edges, a short chunk over a longer prefix.
+QO = [1, 5, 0, 70, 17]
+KV = [1, 37, 10, 70, 300]
+
+
+def check(case: MultiCase, *, causal: bool = True, q: np.ndarray | None = None) -> None:
+    ref_out, ref_lse = case.reference(causal=causal, q=q)
+    out = case.device["out"].numpy()
+    lse = case.device["lse"].numpy()
+    err = relative_error(out, ref_out)
+    assert err <= TOLERANCE[case.dtype], f"out: relative error {err:.2e}"
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scale_mode, scale_dtype", SCALES)
+@pytest.mark.parametrize("layout, page_size", LAYOUTS)
+def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, scale_dtype,
+                                   layout, page_size):
+    case = MultiCase(QO, KV, 8, 2, head_dim, layout, page_size, scale_mode, scale_dtype,
+                     dtype).fill(rng)
+    case.upload(rng)
+    for causal in (True, False):
+        with case.make_plan() as plan:
+            plan.plan(case.indptr, case.kv_lens, causal=causal)
+            case.run(plan, stream)
+            stream.synchronize()
+            check(case, causal=causal)
+            assert plan.error_flags(stream=stream) == 0
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(3, 3), (6, 2), (5, 1), (14, 2),
+                                                       (64, 1), (71, 1), (40, 8)])
+def test_every_group_size(rng, stream, num_q_heads, num_kv_heads):
+    case = MultiCase([3, 1, 40], [200, 1, 40], num_q_heads, num_kv_heads).fill(rng)
+    case.upload(rng)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        case.run(plan, stream)
+        stream.synchronize()
+        check(case)
+
+
+@pytest.mark.parametrize("qo_len, causal", [(4, False), (8, True), (16, False), (1, True)])
+@pytest.mark.parametrize("layout, page_size", [("bnsh", None), ("hnd", 16)])
+def test_speculative_shapes_split_the_kv_and_merge(rng, stream, qo_len, causal, layout,
+                                                   page_size):
+    """Few rows over a long KV: the planner splits each tile's KV; the merge matches the oracle
+    and the unsplit launch."""
+    B = 6
+    case = MultiCase([qo_len] * B, [4099, 777, 4096, qo_len, 2048, 1000], 32, 8, 128, layout,
+                     page_size).fill(rng)
+    case.upload(rng)
+    results = []
+    for splits in (None, 1):
+        with case.make_plan() as plan:
+            plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits)
+            if splits is None:
+                assert plan.describe()["num_splits"] > 1
+            case.run(plan, stream)
+            stream.synchronize()
+            check(case, causal=causal)
+            results.append(case.device["out"].numpy().astype(np.float64))
+    assert relative_error(results[0], results[1]) < 2e-3
+
+
+def test_long_prefill_rows_match_the_oracle(rng, stream):
+    """qo_len 16384 (B=1, fresh prefill) and a 2048-token chunk over a 6000-token prefix:
+    sampled rows, including the first and last of each sequence, against the oracle."""
+    case = MultiCase([16384, 2048], [16384, 8048], 8, 2, 128).fill(rng)
+    case.upload(rng)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        case.run(plan, stream)
+        stream.synchronize()
+    rows = np.unique(np.concatenate([[0, 63, 64, 16383, 16384, 18431],
+                                     rng.integers(0, case.total_q, 40)]))
+    out = case.device["out"].numpy()[rows]
+    err = relative_error(out, case.row_reference(rows))
+    assert err <= TOLERANCE["float16"], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("rope", ["neox", "gptj"])
+@pytest.mark.parametrize("table", [False, True])
+def test_rotate_q_at_the_rows_positions(rng, stream, rope, table):
+    from lowlevel_fd.reference import rope_table
+    case = MultiCase([7, 64], [50, 64], 8, 2, 128).fill(rng)
+    d = case.upload(rng)
+    cos_sin = DeviceArray.from_numpy(rope_table(case.capacity, 128)) if table else None
+    positions = np.concatenate([np.arange(43, 50), np.arange(64)])
+    rotated = rotate(case.host["q"], positions, rope)
+    with case.make_plan(rope=rope) as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        case.run(plan, stream, rotate_q=True, cos_sin=cos_sin)
+        stream.synchronize()
+        check(case, q=rotated)
+    assert d["q"].numpy().tobytes() == case.host["q"].tobytes()  # q itself is not modified
+
+
+def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream):
+    case = MultiCase([4, 4, 4], [900, 300, 40], 32, 8, 128).fill(rng)
+    d = case.upload(rng)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, [1024, 1024, 1024])
+        with capture(stream) as graph:
+            case.run(plan, stream)
+        for qo, kv in (([4, 4, 4], [900, 300, 40]), ([1, 8, 3], [1024, 8, 3]),
+                       ([0, 12, 0], [5, 700, 0])):
+            case.qo_lens, case.kv_lens = qo, kv
+            case.host["seq_lens"] = np.asarray(kv, np.int32)
+            d["seq_lens"].copy_from_numpy(case.host["seq_lens"])
+            d["qo_indptr"].copy_from_numpy(case.indptr)
+            d["out"].fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            check(case)
+            replayed = d["out"].numpy().copy()
+            case.run(plan, stream)
+            stream.synchronize()
+            assert d["out"].numpy().tobytes() == replayed.tobytes()
+        graph.close()
+        assert plan.error_flags(stream=stream) == 0
+
+
+def test_device_guards_flag_and_write_nothing(rng, stream):
+    case = MultiCase([3, 4, 5], [10, 20, 30], 8, 2, 64).fill(rng)
+    d = case.upload(rng)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        # A chunk longer than its KV: sequence 0 writes nothing (its rows keep the NaN
+        # poison); the others are exact.
+        d["seq_lens"].copy_from_numpy(np.array([2, 20, 30], np.int32))
+        case.run(plan, stream)
+        assert plan.error_flags(stream=stream) == ERROR_QUERY_RANGE
+        out, lse = d["out"].numpy(), d["lse"].numpy()
+        assert np.isnan(out[:3]).all() and np.isnan(lse[:3]).all()
+        ref, _ = case.reference()
+        assert relative_error(out[3:], ref[3:]) <= TOLERANCE["float16"]
+        # Not monotone / past total_q: those sequences' rows zero.
+        d["seq_lens"].copy_from_numpy(case.host["seq_lens"])
+        d["qo_indptr"].copy_from_numpy(np.array([0, 3, 2, 99], np.int32))
+        case.run(plan, stream)
+        assert plan.error_flags(stream=stream) == ERROR_QUERY_RANGE
+        assert np.isfinite(d["out"].numpy()[:3]).all()
+        # A length past the cache is clamped.
+        d["qo_indptr"].copy_from_numpy(case.indptr)
+        d["seq_lens"].copy_from_numpy(np.array([10, 20, 1 << 20], np.int32))
+        case.run(plan, stream)
+        assert plan.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE
+
+
+def test_bad_page_ids_are_never_read(rng, stream):
+    case = MultiCase([5, 9], [40, 90], 8, 2, 128, "nhd", 16).fill(rng)
+    d = case.upload(rng)
+    table = d["block_table"].numpy()
+    table[1, 2] = -5
+    table[0, 1] = 1 << 30
+    d["block_table"].copy_from_numpy(table)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        case.run(plan, stream)
+        assert plan.error_flags(stream=stream) == ERROR_BAD_PAGE
+        assert np.isfinite(d["out"].numpy()).all()

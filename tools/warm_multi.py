@@ -1,0 +1,23 @@
+"""Compile the multi-token kernels into the compile cache in parallel (a fresh machine's
+warm-up before the multi tests and benchmarks; `python -m lowlevel_fd compile --cache` builds
+every family)."""
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from lowlevel_fd.multi import shipped_variants
+
+
+def main() -> int:
+    arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90"
+    variants = list(shipped_variants())
+    with ThreadPoolExecutor(16) as pool:
+        for variant, _ in zip(variants, pool.map(lambda v: v.compile(arch), variants)):
+            pass
+    print(f"compiled {len(variants)} multi-token programs for {arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
