@@ -107,7 +107,6 @@ def sdpa_times(q, k, v, *, lower_right: bool, iters: int, warmup: int) -> dict:
             results[name] = time_graph(body, iters=iters, warmup=warmup)
         except Exception as exc:  # a backend that does not take the shape: say so
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        del kk, vv
     return results
 
 
@@ -155,7 +154,6 @@ def prefill_rows(args, rows: list) -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
         plan.close()
-        del cache
 
 
 def chunk_rows(args, rows: list) -> None:
@@ -183,7 +181,6 @@ def chunk_rows(args, rows: list) -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
         plan.close()
-        del cache
 
 
 def verify_rows(args, rows: list) -> None:
@@ -221,7 +218,6 @@ def verify_rows(args, rows: list) -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
             plan.close()
         decode.close()
-        del caches
 
 
 def main(argv: list[str]) -> int:
