@@ -4,6 +4,8 @@ dtypes, scale modes, contiguous and paged layouts, group sizes), causal and not,
 eager and in a graph, and the device guards."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from multi_case import TOLERANCE, MultiCase, relative_error
@@ -11,6 +13,7 @@ from multi_case import TOLERANCE, MultiCase, relative_error
 from lowlevel_fd import ERROR_BAD_PAGE, ERROR_OUTSIDE_CACHE, ERROR_QUERY_RANGE
 from lowlevel_fd.append.reference import rotate
 from lowlevel_fd.driver import DeviceArray, capture
+from lowlevel_fd.multi.variants import ksplits
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +44,9 @@ def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, sca
     case = MultiCase(QO, KV, 8, 2, head_dim, layout, page_size, scale_mode, scale_dtype,
                      dtype).fill(rng)
     case.upload(rng)
-    for causal in (True, False):
+    for causal, ksplit in itertools.product((True, False), ksplits(head_dim)):
         with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, causal=causal)
+            plan.plan(case.indptr, case.kv_lens, causal=causal, ksplit=ksplit)
             case.run(plan, stream)
             stream.synchronize()
             check(case, causal=causal)
@@ -55,11 +58,12 @@ def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, sca
 def test_every_group_size(rng, stream, num_q_heads, num_kv_heads):
     case = MultiCase([3, 1, 40], [200, 1, 40], num_q_heads, num_kv_heads).fill(rng)
     case.upload(rng)
-    with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
-        case.run(plan, stream)
-        stream.synchronize()
-        check(case)
+    for ksplit in ksplits(128):
+        with case.make_plan() as plan:
+            plan.plan(case.indptr, case.kv_lens, ksplit=ksplit)
+            case.run(plan, stream)
+            stream.synchronize()
+            check(case)
 
 
 @pytest.mark.parametrize("qo_len, causal", [(4, False), (8, True), (16, False), (1, True)])
@@ -119,7 +123,7 @@ def test_rotate_q_at_the_rows_positions(rng, stream, rope, table):
 
 
 def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream):
-    case = MultiCase([4, 4, 4], [900, 300, 40], 32, 8, 128).fill(rng)
+    case = MultiCase([4, 4, 4], [900, 300, 40], 32, 8, 128, capacity=1024).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
         plan.plan(case.indptr, [1024, 1024, 1024])

@@ -23,7 +23,6 @@
 
 namespace llfd {
 
-constexpr int kMultiRows = 64;       // query rows per CTA (multi/plan.py ROWS_PER_CTA)
 constexpr int kMultiStages = 3;      // KV tiles in flight
 constexpr int kMultiMaxSplits = 32;  // multi/planner.py MAX_SPLITS
 constexpr float kMultiLn2 = 0.6931471805599453f;
@@ -112,15 +111,23 @@ __device__ __forceinline__ void store4(void* out, int64_t offset, float a, float
       make_uint2(pack2<QT>(a, b), pack2<QT>(c, d));
 }
 
-template <int HEAD_DIM, typename QT>
+template <int HEAD_DIM, int ROWS, typename QT>
 __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, int kvh,
                                   int row0, int tile_rows, int64_t slot, int active,
                                   float* scratch);
 
-template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED>
+// KSPLIT: warps per 16 query rows, each taking its share of every KV tile (the CTA then owns
+// 64 / KSPLIT rows). Short chunks (speculative drafts: a few tokens x the group) fill only one
+// or two warps' rows; with KSPLIT 4 all four warps convert and multiply a quarter of each tile
+// and the CTA merges them at the end, so a CTA streams its KV four times as fast.
+template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED, int KSPLIT>
 __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ MultiParams p) {
   using T = MultiTile<HEAD_DIM>;
   constexpr int kChunks = HEAD_DIM / 16, kNB = T::kRows / 8, kKT = T::kRows / 16;
+  static_assert(KSPLIT == 1 || KSPLIT == 2 || KSPLIT == 4, "1, 2 or 4 warps per row group");
+  constexpr int kGroups = 4 / KSPLIT, kCtaRows = 16 * kGroups;  // row groups of 16, rows
+  constexpr int kNBw = kNB / KSPLIT, kKTw = kKT / KSPLIT;        // a warp's share of a tile
+  static_assert(kKTw >= 1, "a warp's share of a KV tile is at least 16 tokens");
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem[];
   __shared__ int is_last;
@@ -129,20 +136,21 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   const int tile = p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads;  // long first
   const int split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wr = warp % kGroups, wk = warp / kGroups;  // row group, share of the KV tile
 
   const SequenceRows sr(p, b, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
-  const int row0 = tile * kMultiRows;
+  const int row0 = tile * kCtaRows;
   if (row0 >= sr.rows) return;
-  const int tile_rows = min(kMultiRows, sr.rows - row0);
+  const int tile_rows = min(kCtaRows, sr.rows - row0);
   const int kv_end = sr.limit(p, row0 + tile_rows - 1);
   int chunk, active;
   tile_splits<T::kRows>(p, kv_end, chunk, active);
   if (split >= active) return;
   const int start = split * chunk, end = min(kv_end, start + chunk);
 
-  const int r_lo = row0 + 16 * warp + g;
-  const bool warp_active = row0 + 16 * warp < sr.rows;
-  const int warp_limit = warp_active ? sr.limit(p, min(row0 + 16 * warp + 15, sr.rows - 1)) : 0;
+  const int r_lo = row0 + 16 * wr + g;
+  const bool warp_active = row0 + 16 * wr < sr.rows;
+  const int warp_limit = warp_active ? sr.limit(p, min(row0 + 16 * wr + 15, sr.rows - 1)) : 0;
   int visible[2];  // tokens [0, visible) of this split each row sees
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr)
@@ -209,38 +217,40 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       const uint32_t st_addr = smem_base + stage * T::kBytes;
       const char* st_ptr = smem + stage * T::kBytes;
       // ---- S = Q K^T: rows g, g + 8, columns (tokens) 8 nb + 2c, +1 ----
-      float s[kNB][4];
+      float s[kNBw][4];
 #pragma unroll
-      for (int nb = 0; nb < kNB; ++nb) {
-        s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+      for (int j = 0; j < kNBw; ++j) {
+        const int nb = wk * kNBw + j;
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
         for (int s4 = 0; s4 < kChunks / 4; ++s4) {
           uint32_t r[4];
           ldmatrix_x4(r, st_addr + T::kK + T::offset(8 * nb + (lane & 7), 4 * s4 + (lane >> 3)));
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t u = r[j] ^ 0x80808080u;
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t u = r[i] ^ 0x80808080u;
             if constexpr (kQueryInShared) {
-              const uint4 q4 = q_shared[(4 * s4 + j) * 32 + lane];
+              const uint4 q4 = q_shared[(4 * s4 + i) * 32 + lane];
               const uint32_t a[4] = {q4.x, q4.y, q4.z, q4.w};
-              mma_16x8x16(s[nb], a, int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
+              mma_16x8x16(s[j], a, int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
             } else {
-              mma_16x8x16(s[nb], qf[4 * s4 + j], int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
+              mma_16x8x16(s[j], qf[4 * s4 + i], int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
             }
           }
         }
       }
       // ---- scale, mask, online softmax in base 2 ----
 #pragma unroll
-      for (int nb = 0; nb < kNB; ++nb) {
+      for (int j = 0; j < kNBw; ++j) {
+        const int nb = wk * kNBw + j;
         float2 ks = make_float2(1.f, 1.f);
         if constexpr (kTokenScales)
           ks = *reinterpret_cast<const float2*>(st_ptr + T::kKScale + 4 * (8 * nb + 2 * c));
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = t0 + 8 * nb + 2 * c + (e & 1), hr = e >> 1;
-          const float x = s[nb][e] * row_const[hr] * ((e & 1) ? ks.y : ks.x);
-          s[nb][e] = col < visible[hr] ? x : kNegInf;
+          const float x = s[j][e] * row_const[hr] * ((e & 1) ? ks.y : ks.x);
+          s[j][e] = col < visible[hr] ? x : kNegInf;
         }
       }
       float corr[2];
@@ -248,7 +258,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       for (int hr = 0; hr < 2; ++hr) {
         float mx = kNegInf;
 #pragma unroll
-        for (int nb = 0; nb < kNB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * hr], s[nb][2 * hr + 1]));
+        for (int j = 0; j < kNBw; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
         mx = warp_max_xor(mx, 2);
         const float m_new = fmaxf(m[hr], mx);
         const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
@@ -256,31 +266,31 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
         m[hr] = m_new;
         float sum = 0.f;
 #pragma unroll
-        for (int nb = 0; nb < kNB; ++nb) {
-          s[nb][2 * hr] = fast_exp2(s[nb][2 * hr] - m_use);
-          s[nb][2 * hr + 1] = fast_exp2(s[nb][2 * hr + 1] - m_use);
-          sum += s[nb][2 * hr] + s[nb][2 * hr + 1];
+        for (int j = 0; j < kNBw; ++j) {
+          s[j][2 * hr] = fast_exp2(s[j][2 * hr] - m_use);
+          s[j][2 * hr + 1] = fast_exp2(s[j][2 * hr + 1] - m_use);
+          sum += s[j][2 * hr] + s[j][2 * hr + 1];
         }
         l[hr] = l[hr] * corr[hr] + sum;
       }
-      float ratio[kNB][2];
+      float ratio[kNBw][2];
 #pragma unroll
-      for (int nb = 0; nb < kNB; ++nb) ratio[nb][0] = ratio[nb][1] = 1.f;
+      for (int j = 0; j < kNBw; ++j) ratio[j][0] = ratio[j][1] = 1.f;
       if constexpr (kTokenScales) {
         float local = 0.f;
 #pragma unroll
-        for (int nb = 0; nb < kNB; ++nb) {
-          const float2 vs =
-              *reinterpret_cast<const float2*>(st_ptr + T::kVScale + 4 * (8 * nb + 2 * c));
-          ratio[nb][0] = vs.x;
-          ratio[nb][1] = vs.y;
+        for (int j = 0; j < kNBw; ++j) {
+          const float2 vs = *reinterpret_cast<const float2*>(
+              st_ptr + T::kVScale + 4 * (8 * (wk * kNBw + j) + 2 * c));
+          ratio[j][0] = vs.x;
+          ratio[j][1] = vs.y;
           local = fmaxf(local, fmaxf(vs.x, vs.y));
         }
         const float new_ref = fmaxf(v_ref, warp_max_xor(local, 2));
         const float inv = new_ref > 0.f ? 1.f / new_ref : 0.f;
         const float change = new_ref > 0.f ? v_ref * inv : 1.f;
 #pragma unroll
-        for (int nb = 0; nb < kNB; ++nb) ratio[nb][0] *= inv, ratio[nb][1] *= inv;
+        for (int j = 0; j < kNBw; ++j) ratio[j][0] *= inv, ratio[j][1] *= inv;
         corr[0] *= change;
         corr[1] *= change;
         v_ref = new_ref;
@@ -292,14 +302,15 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       }
       // ---- O += P V: k = 16 tokens per step, n = the even and odd dims of each chunk ----
 #pragma unroll
-      for (int kt = 0; kt < kKT; ++kt) {
-        const float* lo = s[2 * kt];
-        const float* hi = s[2 * kt + 1];
+      for (int jt = 0; jt < kKTw; ++jt) {
+        const int kt = wk * kKTw + jt;
+        const float* lo = s[2 * jt];
+        const float* hi = s[2 * jt + 1];
         const uint32_t a[4] = {
-            pack2<f16>(lo[0] * ratio[2 * kt][0], lo[1] * ratio[2 * kt][1]),
-            pack2<f16>(lo[2] * ratio[2 * kt][0], lo[3] * ratio[2 * kt][1]),
-            pack2<f16>(hi[0] * ratio[2 * kt + 1][0], hi[1] * ratio[2 * kt + 1][1]),
-            pack2<f16>(hi[2] * ratio[2 * kt + 1][0], hi[3] * ratio[2 * kt + 1][1])};
+            pack2<f16>(lo[0] * ratio[2 * jt][0], lo[1] * ratio[2 * jt][1]),
+            pack2<f16>(lo[2] * ratio[2 * jt][0], lo[3] * ratio[2 * jt][1]),
+            pack2<f16>(hi[0] * ratio[2 * jt + 1][0], hi[1] * ratio[2 * jt + 1][1]),
+            pack2<f16>(hi[2] * ratio[2 * jt + 1][0], hi[3] * ratio[2 * jt + 1][1])};
 #pragma unroll
         for (int dp = 0; dp < kChunks / 2; ++dp) {
           uint32_t r[4];
@@ -322,17 +333,69 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   if constexpr (PAGED)
     if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
 
+  float total[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) total[hr] = warp_sum_xor(l[hr], 2);
+  // ---- KSPLIT: the warps of a row group merge into its first (wk == 0) ----
+  if constexpr (KSPLIT > 1) {
+    __syncthreads();  // every warp is out of the loop: the pipeline's memory is free
+    float4* const o_shared = reinterpret_cast<float4*>(smem);  // [warp][2 kChunks][32 lanes]
+    float* const ml = reinterpret_cast<float*>(o_shared + 4 * 2 * kChunks * 32);  // [warp][2][16]
+#pragma unroll
+    for (int n = 0; n < 2 * kChunks; ++n)
+      o_shared[(warp * 2 * kChunks + n) * 32 + lane] =
+          make_float4(oacc[n][0] * v_ref, oacc[n][1] * v_ref, oacc[n][2] * v_ref,
+                      oacc[n][3] * v_ref);
+    if (c == 0)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        ml[(warp * 2) * 16 + g + 8 * hr] = m[hr];
+        ml[(warp * 2 + 1) * 16 + g + 8 * hr] = total[hr];
+      }
+    __syncthreads();
+    if (wk == 0) {
+      float weight[KSPLIT][2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float best = kNegInf;
+#pragma unroll
+        for (int j = 0; j < KSPLIT; ++j) best = fmaxf(best, ml[((wr + j * kGroups) * 2) * 16 + g + 8 * hr]);
+        const float use = best == kNegInf ? 0.f : best;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < KSPLIT; ++j) {
+          const int w = wr + j * kGroups;
+          weight[j][hr] = fast_exp2(ml[(w * 2) * 16 + g + 8 * hr] - use);
+          sum += weight[j][hr] * ml[(w * 2 + 1) * 16 + g + 8 * hr];
+        }
+        m[hr] = best;
+        total[hr] = sum;
+      }
+#pragma unroll
+      for (int n = 0; n < 2 * kChunks; ++n) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int j = 0; j < KSPLIT; ++j) {
+          const float4 v = o_shared[((wr + j * kGroups) * 2 * kChunks + n) * 32 + lane];
+          acc.x += weight[j][0] * v.x; acc.y += weight[j][0] * v.y;
+          acc.z += weight[j][1] * v.z; acc.w += weight[j][1] * v.w;
+        }
+        oacc[n][0] = acc.x; oacc[n][1] = acc.y; oacc[n][2] = acc.z; oacc[n][3] = acc.w;
+      }
+      v_ref = 1.f;
+    }
+  }
+
   // ---- this split's rows: normalised, with their base-2 LSE ----
-  float total[2], lse2[2], scale[2];
+  float lse2[2], scale[2];
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    total[hr] = warp_sum_xor(l[hr], 2);
     lse2[hr] = total[hr] > 0.f ? m[hr] + __log2f(total[hr]) : kNegInf;
     scale[hr] = total[hr] > 0.f ? v_const * v_ref / total[hr] : 0.f;
   }
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
-  if (warp_active)
+  if (warp_active && wk == 0)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int r = r_lo + 8 * hr, local = r - row0;
@@ -350,13 +413,13 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
         if (p.lse != nullptr && c == 0)
           p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2[hr] * kMultiLn2;
       } else {
-        float* dst = p.partial_out + (part * kMultiRows + local) * HEAD_DIM;
+        float* dst = p.partial_out + (part * kCtaRows + local) * HEAD_DIM;
 #pragma unroll
         for (int sc = 0; sc < kChunks; ++sc)
           *reinterpret_cast<float4*>(dst + 16 * sc + 4 * c) =
               make_float4(oacc[2 * sc][2 * hr] * f, oacc[2 * sc + 1][2 * hr] * f,
                           oacc[2 * sc][2 * hr + 1] * f, oacc[2 * sc + 1][2 * hr + 1] * f);
-        if (c == 0) p.partial_lse[part * kMultiRows + local] = lse2[hr];
+        if (c == 0) p.partial_lse[part * kCtaRows + local] = lse2[hr];
       }
     }
   if (active == 1) return;
@@ -368,31 +431,31 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_tile_splits<HEAD_DIM, QT>(p, sr, kvh, row0, tile_rows, slot, active,
+  merge_tile_splits<HEAD_DIM, kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
                                   reinterpret_cast<float*>(smem));
   if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
 }
 
 // Weighted sum of the tile's split partials (fixed order: reproducible). `scratch`: shared
-// memory for (kMultiMaxSplits + 2) x 64 floats (the pipeline's, no longer in use).
-template <int HEAD_DIM, typename QT>
+// memory for (kMultiMaxSplits + 2) x ROWS floats (the pipeline's, no longer in use).
+template <int HEAD_DIM, int ROWS, typename QT>
 __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, int kvh,
                                   int row0, int tile_rows, int64_t slot, int active,
                                   float* scratch) {
   float* weight = scratch;                                  // [active][64]
-  float* row_total = scratch + kMultiMaxSplits * kMultiRows;  // [64]
-  float* row_best = row_total + kMultiRows;                 // [64]
+  float* row_total = scratch + kMultiMaxSplits * ROWS;  // [ROWS]
+  float* row_best = row_total + ROWS;                 // [ROWS]
   const int64_t base = slot * p.num_splits;
-  for (int i = threadIdx.x; i < active * kMultiRows; i += blockDim.x)
-    weight[i] = __ldcg(p.partial_lse + base * kMultiRows + i);
+  for (int i = threadIdx.x; i < active * ROWS; i += blockDim.x)
+    weight[i] = __ldcg(p.partial_lse + base * ROWS + i);
   __syncthreads();
-  if (threadIdx.x < kMultiRows) {
+  if (threadIdx.x < ROWS) {
     const int row = threadIdx.x;
     float best = kNegInf, sum = 0.f;
-    for (int s = 0; s < active; ++s) best = fmaxf(best, weight[s * kMultiRows + row]);
+    for (int s = 0; s < active; ++s) best = fmaxf(best, weight[s * ROWS + row]);
     for (int s = 0; s < active; ++s) {
-      const float w = best == kNegInf ? 0.f : fast_exp2(weight[s * kMultiRows + row] - best);
-      weight[s * kMultiRows + row] = w;
+      const float w = best == kNegInf ? 0.f : fast_exp2(weight[s * ROWS + row] - best);
+      weight[s * ROWS + row] = w;
       sum += w;
     }
     row_total[row] = sum;
@@ -400,13 +463,13 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
   }
   __syncthreads();
   constexpr int kQuads = HEAD_DIM / 4;
-  const float4* parts = reinterpret_cast<const float4*>(p.partial_out) + base * kMultiRows * kQuads;
+  const float4* parts = reinterpret_cast<const float4*>(p.partial_out) + base * ROWS * kQuads;
   for (int idx = threadIdx.x; idx < tile_rows * kQuads; idx += blockDim.x) {
     const int local = idx / kQuads, quad = idx % kQuads;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < active; ++s) {
-      const float w = weight[s * kMultiRows + local];
-      const float4 v = __ldcg(parts + (s * kMultiRows + local) * kQuads + quad);
+      const float w = weight[s * ROWS + local];
+      const float4 v = __ldcg(parts + (s * ROWS + local) * kQuads + quad);
       acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
     const float sum = row_total[local], inv = sum > 0.f ? 1.f / sum : 0.f;

@@ -18,8 +18,8 @@ from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
 from .bind import MultiBinder
 from .params import MultiParams
-from .planner import MultiWorkload, choose_splits
-from .variants import ROWS_PER_CTA, THREADS, MultiVariant, tile_tokens
+from .planner import MultiWorkload, choose_ksplit, choose_splits
+from .variants import THREADS, MultiVariant, ksplits, tile_tokens
 
 _LOG2E = 1.4426950408889634
 MAX_GRID_Z = 65535  # the batch is grid.z
@@ -88,7 +88,7 @@ class MultiPlan(OnCache):
                 raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
         self.sm_scale = 1.0 / math.sqrt(self.cache.head_dim) if sm_scale is None else sm_scale
         self.device = check.device_option(device)
-        self.variant = MultiVariant.planned(self.cache, self.dtype)
+        self.variant = MultiVariant.planned(self.cache, self.dtype)  # set by plan()
         self._binder = MultiBinder(self.cache, self.num_q_heads, self.dtype, self.device)
         self._workspace: dict[str, Any] = {}
         self._params = MultiParams()
@@ -112,15 +112,22 @@ class MultiPlan(OnCache):
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
-             num_splits: int | None = None) -> "MultiPlan":
+             num_splits: int | None = None, ksplit: int | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
         ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
-        ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32)."""
+        ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
+        its warps per 16 query rows (see ``ksplits``)."""
         self._require_open()
         check.flag("causal", causal)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
+        if ksplit is None:
+            ksplit = choose_ksplit(qo_lens, self.group_size, self.head_dim)
+        elif ksplit not in ksplits(self.head_dim):
+            raise ValueError(f"ksplit: expected one of {ksplits(self.head_dim)} at head_dim "
+                             f"{self.head_dim}, got {ksplit!r}")
+        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit)
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
-                             tile_tokens(self.head_dim), ROWS_PER_CTA)
+                             tile_tokens(self.head_dim), self.variant.rows_per_cta)
         kernel = load_kernels(self.variant, self.device)[0]
         shared = self.variant.shared_bytes
         kernel.allow_dynamic_shared(shared)
@@ -130,7 +137,8 @@ class MultiPlan(OnCache):
             splits = check.positive("num_splits", num_splits, 33)
         batch, total_q, tiles = int(qo_lens.size), int(qo_lens.sum()), work.max_tiles
         slots = batch * self.num_kv_heads * tiles
-        self._ensure_workspace(slots * splits * ROWS_PER_CTA if splits > 1 else 0, slots)
+        rows = self.variant.rows_per_cta
+        self._ensure_workspace(slots * splits * rows if splits > 1 else 0, slots)
         p = self._params
         ws = self._workspace
         p.partial_out, p.partial_lse = ws["partial_out"].ptr, ws["partial_lse"].ptr
@@ -145,7 +153,7 @@ class MultiPlan(OnCache):
         self._binder.planned(batch, total_q, int(lengths.max()))
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
-            "block": THREADS, "rows_per_cta": ROWS_PER_CTA, "max_tiles": tiles,
+            "block": THREADS, "rows_per_cta": rows, "ksplit": ksplit, "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens,
             "tile_tokens": tile_tokens(self.head_dim), "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,

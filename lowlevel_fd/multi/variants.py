@@ -10,14 +10,19 @@ from ..compiler import CompiledProgram, CompileOptions, compile_cached
 from ..core import support
 from ..core.spec import KVCacheSpec
 
-THREADS = 128       # four warps of 16 query rows
-ROWS_PER_CTA = 64   # kMultiRows in multi.cu
-STAGES = 3          # kMultiStages
+THREADS = 128       # four warps
+STAGES = 3          # kMultiStages in multi.cu
 
 
 def tile_tokens(head_dim: int) -> int:
     """KV tokens per pipeline tile (MultiTile::kRows): 32 at head_dim 256 (registers)."""
     return 32 if head_dim == 256 else 64
+
+
+def ksplits(head_dim: int) -> tuple[int, ...]:
+    """The KSPLIT values shipped: 1 (four warps of 16 rows) and the most warps per row group
+    whose share of a tile is still 16 tokens (4; 2 at head_dim 256)."""
+    return (1, tile_tokens(head_dim) // 16)
 
 
 @dataclass(frozen=True)
@@ -29,17 +34,23 @@ class MultiVariant:
     scale_mode: str = "token"
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
     paged: bool = False
+    ksplit: int = 1  # warps per 16 query rows, sharing each KV tile (multi.cu KSPLIT)
 
     @classmethod
-    def planned(cls, spec: KVCacheSpec, dtype: str) -> "MultiVariant":
-        return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged)
+    def planned(cls, spec: KVCacheSpec, dtype: str, ksplit: int = 1) -> "MultiVariant":
+        return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged,
+                   ksplit)
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 64 // self.ksplit
 
     @property
     def kernel(self) -> str:
         return (f"llfd::multi_attend<{self.head_dim}, {support.SCALE_MODE_IDS[self.scale_mode]}, "
                 f"{support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
-                f"{support.cxx_bool(self.paged)}>")
+                f"{support.cxx_bool(self.paged)}, {self.ksplit}>")
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
@@ -53,8 +64,9 @@ class MultiVariant:
 
     @property
     def shared_bytes(self) -> int:
-        """The pipeline's stages (reused by the split merge, which needs far less), and at
-        head_dim 256 the warps' Q fragments (16 bytes per lane and 16-dim chunk)."""
+        """The pipeline's stages, and at head_dim 256 the warps' Q fragments (16 bytes per
+        lane and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
+        lane's accumulators, 4 x D/8 x 32 float4) and the split merge (far less)."""
         query = (THREADS // 32) * (self.head_dim // 16) * 32 * 16 if self.head_dim == 256 else 0
         return STAGES * self.stage_bytes + query
 
@@ -71,4 +83,5 @@ def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant]:
                                                (False, True)):
         for mode in support.SCALE_MODES:
             for scale_dtype in support.SCALE_DTYPES[mode]:
-                yield MultiVariant(dim, dtype, mode, scale_dtype, paged)
+                for ksplit in ksplits(dim):
+                    yield MultiVariant(dim, dtype, mode, scale_dtype, paged, ksplit)
