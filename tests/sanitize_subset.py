@@ -10,7 +10,9 @@ Fused append: both RoPE styles from a table and from theta, the three merges, he
 positions outside the cache, advance_lengths. Paged storage (tests/test_paged_gpu.py's cases):
 page sizes 1, 16 and 256 in both layouts, bad page ids in attention and in every writer, the
 fused append across page edges, prompts in chunks, pools that are views (K and V in one
-allocation, scales inline after each row).
+allocation, scales inline after each row). Multi-token attention (tests/test_multi_gpu.py's
+cases): every head dim, contiguous and paged, ragged with empty rows, KV splits and their
+merge, group sizes 5 and 71, RoPE of q, graph replay, the device guards, bad page ids.
 
 Every result is checked against the oracle, so a silent failure is caught too. Outputs are
 NaN-poisoned and caches fully uploaded first, so initcheck only sees initialized memory.
@@ -338,6 +340,31 @@ case("pools as views: K and V in one allocation, inline scales",
 
 
 # -- driver --------------------------------------------------------------------------------------
+# -- multi-token attention (MultiPlan: the GPU tests' own cases) -------------------------------
+import test_multi_gpu as multi  # noqa: E402
+
+case("extend d128 fp16 token/fp16 scales bnsh, ragged with empty rows",
+     lambda rng, stream: multi.test_matrix_matches_the_oracle(
+         rng, stream, 128, "float16", "token", "float16", "bnsh", None))
+case("extend d64 bf16 head scales paged hnd page 1",
+     lambda rng, stream: multi.test_matrix_matches_the_oracle(
+         rng, stream, 64, "bfloat16", "head", "float32", "hnd", 1))
+case("extend d256 fp16 tensor scales paged nhd page 16",
+     lambda rng, stream: multi.test_matrix_matches_the_oracle(
+         rng, stream, 256, "float16", "tensor", "float32", "nhd", 16))
+case("extend speculative drafts, KV splits merged",
+     lambda rng, stream: multi.test_speculative_shapes_split_the_kv_and_merge(
+         rng, stream, 8, True, "hnd", 16))
+case("extend group 5, group 71", lambda rng, stream: (
+    multi.test_every_group_size(rng, stream, 5, 1), multi.test_every_group_size(rng, stream,
+                                                                               71, 1)))
+case("extend rotate q neox table",
+     lambda rng, stream: multi.test_rotate_q_at_the_rows_positions(rng, stream, "neox", True))
+case("extend graph replay", multi.test_graph_replay_follows_new_lengths_and_matches_eager)
+case("extend device guards", multi.test_device_guards_flag_and_write_nothing)
+case("extend bad page ids", multi.test_bad_page_ids_are_never_read)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="run only cases whose name contains this")
