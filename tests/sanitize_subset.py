@@ -365,6 +365,7 @@ case("extend device guards", multi.test_device_guards_flag_and_write_nothing)
 case("extend bad page ids", multi.test_bad_page_ids_are_never_read)
 
 
+# -- driver --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="run only cases whose name contains this")

@@ -15,6 +15,7 @@ Accuracy: sampled prefill rows against the float64 oracle over the dequantized c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -210,10 +211,21 @@ def verify_rows(args, rows: list) -> None:
                 for c in caches:
                     run_multi(plan, q, c, lens, indptr, out)
             ours = time_graph(step, iters=args.iters, warmup=args.warmup, per=layers)
+            sweep = []
+            for splits, ksplit in itertools.product(args.sweep_splits, (1, 4)):
+                alt = multi_plan(B, S).plan(indptr_host, [S] * B, num_splits=splits,
+                                            ksplit=ksplit)
+
+                def alt_step(alt=alt):
+                    for c in caches:
+                        run_multi(alt, q, c, lens, indptr, out)
+                t = time_graph(alt_step, iters=args.iters, warmup=args.warmup, per=layers)
+                sweep.append({"num_splits": splits, "ksplit": ksplit, **t})
+                alt.close()
             row = {"kind": "verify", "batch": B, "qo_len": qo, "kv_len": S, "layers": layers,
                    "bytes_per_layer": per_layer, "ours": ours, "decode": dec,
                    "ratio_to_decode": ours["median_us"] / dec["median_us"],
-                   "plan": plan.describe()}
+                   "sweep": sweep, "plan": plan.describe()}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
             plan.close()
@@ -226,8 +238,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", default="prefill,chunk,verify")
+    parser.add_argument("--sweep-splits", default="",
+                        help="verify rows: also time these KV splits (comma list) x ksplit 1/4")
     args = parser.parse_args(argv)
     args.iters, args.warmup = (10, 2) if args.quick else (50, 5)
+    args.sweep_splits = [int(x) for x in args.sweep_splits.split(",") if x]
     args.prefill = [4096, 8192, 16384]
     args.prefix = [16384, 32768]
     args.verify_batch, args.verify_q = [8, 64], [4, 8]
