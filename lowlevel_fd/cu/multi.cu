@@ -446,8 +446,8 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
   float* row_total = scratch + kMultiMaxSplits * ROWS;  // [ROWS]
   float* row_best = row_total + ROWS;                 // [ROWS]
   const int64_t base = slot * p.num_splits;
-  for (int i = threadIdx.x; i < active * ROWS; i += blockDim.x)
-    weight[i] = __ldcg(p.partial_lse + base * ROWS + i);
+  for (int i = threadIdx.x; i < active * ROWS; i += blockDim.x)  // rows past the tile's: unwritten
+    weight[i] = i % ROWS < tile_rows ? __ldcg(p.partial_lse + base * ROWS + i) : kNegInf;
   __syncthreads();
   if (threadIdx.x < ROWS) {
     const int row = threadIdx.x;
