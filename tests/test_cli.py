@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel_fd
-from lowlevel_fd import append, cli, decode, demo
+from lowlevel_fd import append, cli, decode, demo, multi
 from lowlevel_fd.compiler import (CompiledProgram, CompileError, KernelResources,
                                   nvrtc_version)
 from lowlevel_fd.core.support import WARP_COUNTS
@@ -29,9 +29,10 @@ PACKAGE_ROOT = Path(lowlevel_fd.__file__).resolve().parents[1]  # what this proc
 ROW = re.compile(r"^(llfd::\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
 PROGRESS = re.compile(r"^  (\d+)/(\d+) programs, \d+ s$", re.M)
 # Every kernel `compile` builds for sm_90 by default: the planner's warps.
-SHIPPED = [name for variants in (decode.shipped_variants(), append.shipped_variants())
-           for variant in variants for name in variant.kernel_names]
-SHIPPED_PROGRAMS = len(list(decode.shipped_variants())) + len(list(append.shipped_variants()))
+FAMILY_VARIANTS = (decode.shipped_variants, append.shipped_variants, multi.shipped_variants)
+SHIPPED = [name for variants in FAMILY_VARIANTS for variant in variants()
+           for name in variant.kernel_names]
+SHIPPED_PROGRAMS = sum(len(list(variants())) for variants in FAMILY_VARIANTS)
 
 
 @pytest.fixture(scope="session")
@@ -134,21 +135,24 @@ def test_there_is_no_bench_command(run_cli, session_cache):
 # -- compile -----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def compiled_sm90(run_cli, tmp_path_factory) -> subprocess.CompletedProcess:
-    """`compile --arch sm_90` on a fresh cache, run once for the session (1849 NVRTC
+    """`compile --arch sm_90` on a fresh cache, run once for the session (1945 NVRTC
     compiles)."""
     return run_cli("compile", "--arch", "sm_90", cache=tmp_path_factory.mktemp("compile-cache"))
 
 
 def test_compile_builds_every_shipped_kernel_once_for_sm90(compiled_sm90):
     lines = compiled_sm90.stdout.splitlines()
-    assert lines[0] == f"compiling {SHIPPED_PROGRAMS} programs (decode, append) for sm_90"
+    assert lines[0] == (f"compiling {SHIPPED_PROGRAMS} programs (decode, append, multi) for "
+                        f"sm_90")
     # 1777 decode programs (the split variants of 5 CTA sizes, those of 4, 8 and 16 heads also
-    # masked, each over a contiguous and a paged cache, and their merges) + 72 append programs.
-    assert SHIPPED_PROGRAMS == 1849
+    # masked, each over a contiguous and a paged cache, and their merges) + 72 append programs
+    # + 96 multi-token programs (3 head dims x 2 dtypes x 4 scale modes x 2 storages x 2
+    # KSPLITs).
+    assert SHIPPED_PROGRAMS == 1945
     rows = [ROW.match(line) for line in lines]
     names = [row.group(1) for row in rows if row]
     assert len(names) == len(set(names)), "a kernel is listed twice"
-    assert len(names) == len(SHIPPED) == 1921
+    assert len(names) == len(SHIPPED) == 2017
     assert sorted(names) == sorted(SHIPPED)
     expected = [name for family in cli.FAMILIES for variant in family.variants((DEFAULT_WARPS,))
                 for name in variant.kernel_names]

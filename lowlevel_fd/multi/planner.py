@@ -14,8 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
-MIN_SPLIT_TILES = 4   # KV tiles per split at least: the merge costs about one tile
-WAVES = 2             # resident CTAs per SM times this: the grid the splits aim for
+# KV tiles per split at least, and the grid the splits aim for (resident CTAs per SM x SMs,
+# one wave). Measured at B=8, S=4096, 4 drafts (PERF_NOTES m2): 4 splits of 1024 tokens took
+# 35.6 us, 13 splits of 320 tokens 46.4 us; a split's fixed cost (its Q, the pipeline's fill,
+# its partial and the merge) outweighs the parallelism of short splits.
+MIN_SPLIT_TILES = 16
+WAVES = 1
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,165 @@
+"""MultiPlan without a GPU: the host checks of plan() (qo_indptr and the lengths), the planner's
+splits and warps per row group, the argument checks of run() (MultiBinder over stand-in device
+memory), the parameter block's layout, and the shipped variants."""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stand_ins import DEVICE, fake
+
+from lowlevel_fd import KVCacheSpec
+from lowlevel_fd.core import support
+from lowlevel_fd.multi import MultiWorkload, choose_splits, shipped_variants
+from lowlevel_fd.multi.bind import MultiBinder
+from lowlevel_fd.multi.params import MultiParams
+from lowlevel_fd.multi.plan import host_queries
+from lowlevel_fd.multi.planner import MAX_SPLITS, choose_ksplit
+from lowlevel_fd.multi.variants import ksplits, tile_tokens
+
+CU = Path(__file__).resolve().parents[1] / "lowlevel_fd" / "cu"
+
+
+# -- plan(): the host copies -------------------------------------------------------------------
+@pytest.mark.parametrize("indptr, lens, message", [
+    ([0, 3, 2], [5, 5], r"^qo_indptr: expected a non-decreasing array, got qo_indptr\[2\]=2 < "
+                        r"qo_indptr\[1\]=3$"),
+    ([1, 3], [5], r"^qo_indptr: expected qo_indptr\[0\] == 0, got 1$"),
+    ([0, 6], [5], r"^qo_indptr: sequence 0 has qo_len 6 > seq_lens\[0\]=5 \(seq_lens counts"),
+    ([0, 2, 4], [5], r"^seq_lens: expected 2 lengths \(one per qo_indptr interval\), got 1$"),
+    ([0], [], r"^qo_indptr: expected an integer \[B \+ 1\] array with B >= 1"),
+    ([0.0, 2.0], [5], r"^qo_indptr: expected an integer \[B \+ 1\] array"),
+    ([0, 2], [9000], r"^seq_lens: expected lengths in \[0, max_seq_len=8192\]"),
+])
+def test_host_queries_reject_bad_input(indptr, lens, message):
+    with pytest.raises(ValueError, match=message):
+        host_queries(indptr, lens, 4, 8192)
+
+
+def test_host_queries_accept_empty_rows_and_return_the_lengths():
+    qo, kv = host_queries(np.array([0, 0, 5, 5, 6]), [0, 9, 3000, 1], 4, 8192)
+    assert qo.tolist() == [0, 5, 0, 1] and kv.tolist() == [0, 9, 3000, 1]
+
+
+def test_host_queries_want_host_arrays():
+    with pytest.raises(TypeError, match=r"^qo_indptr: plan\(\) needs the host copy"):
+        host_queries(fake((3,), "int32"), [1, 1], 4, 8192)
+
+
+# -- the planner -------------------------------------------------------------------------------
+def work(qo, kv, group=4, heads=8, head_dim=128, rows=64):
+    return MultiWorkload(np.asarray(qo), np.asarray(kv), group, heads, tile_tokens(head_dim),
+                         rows)
+
+
+def test_prefill_is_not_split_and_tiles_count_packed_rows():
+    w = work([16384], [16384])
+    assert w.max_tiles == 16384 * 4 // 64
+    assert choose_splits(w, 132, 2) == (1, 1024)
+
+
+def test_drafts_over_a_long_kv_are_split_into_runs_of_at_least_16_tiles():
+    w = work([4] * 8, [4096] * 8, rows=16)
+    splits, min_tokens = choose_splits(w, 132, 3)
+    assert (splits, min_tokens) == (4, 1024)  # 4096 / 1024: one wave would want 7
+    assert choose_splits(work([4] * 8, [900] * 8, rows=16), 132, 3)[0] == 1
+    assert choose_splits(work([1], [10**6], rows=16), 132, 3)[0] == MAX_SPLITS
+
+
+@pytest.mark.parametrize("qo, group, head_dim, ksplit", [
+    ([4, 1], 4, 128, 4), ([8], 4, 128, 4), ([9], 4, 128, 1), ([1], 32, 64, 4),
+    ([1], 64, 128, 1), ([2], 8, 256, 2), ([0, 0], 4, 128, 4)])
+def test_ksplit_when_the_rows_fit_two_warps(qo, group, head_dim, ksplit):
+    assert choose_ksplit(np.asarray(qo), group, head_dim) == ksplit
+    assert ksplit in ksplits(head_dim)
+
+
+# -- run(): MultiBinder over stand-in memory ---------------------------------------------------
+SPEC = KVCacheSpec(2, 64)
+B, TOTAL, HQ = 2, 7, 8
+
+
+def arrays(**overrides):
+    a = dict(q=fake((TOTAL, HQ, 64), "float16"), k_cache=fake((B, 2, 64, 64), "int8"),
+             v_cache=fake((B, 2, 64, 64), "int8"), k_scale=fake((B, 2, 64), "float32"),
+             v_scale=fake((B, 2, 64), "float32"), seq_lens=fake((B,), "int32"),
+             qo_indptr=fake((B + 1,), "int32"), out=fake((TOTAL, HQ, 64), "float16"),
+             lse=None, block_table=None, cos_sin=None, rotate_q=False)
+    a.update(overrides)
+    return a
+
+
+def bind(**overrides):
+    binder = MultiBinder(SPEC, HQ, "float16", DEVICE)
+    binder.planned(B, TOTAL, 50)
+    p = MultiParams()
+    a = arrays(**overrides)
+    binder.bind(p, a["q"], a["k_cache"], a["v_cache"], a["k_scale"], a["v_scale"],
+                a["seq_lens"], a["qo_indptr"], a["out"], a["lse"], a["block_table"],
+                a["cos_sin"], a["rotate_q"])
+    return p
+
+
+def test_bind_writes_pointers_and_strides():
+    p = bind()
+    assert p.q_token_stride == HQ * 64 and p.q_head_stride == 64 and p.capacity == 64
+    assert p.rope == 0 and p.block_table == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"q": fake((TOTAL + 1, HQ, 64), "float16")},
+     r"^q: expected total_q=7 rows \(the planned qo_indptr\[-1\]\), got 8$"),
+    ({"out": fake((TOTAL, HQ, 64), "bfloat16")}, r"^out: expected dtype float16"),
+    ({"qo_indptr": fake((B,), "int32")}, r"^qo_indptr: expected shape \[B \+ 1\]"),
+    ({"qo_indptr": fake((B + 1,), "int64")}, r"^qo_indptr: expected dtype int32"),
+    ({"seq_lens": fake((B + 1,), "int32")}, r"^seq_lens: expected shape \[B\]"),
+    ({"lse": fake((TOTAL, HQ), "float16")}, r"^lse: expected dtype float32"),
+    ({"lse": fake((TOTAL, HQ + 1), "float32")}, r"^lse: expected shape \[total_q, Hq\]"),
+    ({"k_cache": fake((B, 2, 32, 64), "int8"), "v_cache": fake((B, 2, 32, 64), "int8"),
+      "k_scale": fake((B, 2, 32), "float32"), "v_scale": fake((B, 2, 32), "float32")},
+     r"^k_cache: capacity 32 tokens is below the planned longest sequence 50$"),
+    ({"rotate_q": True}, r"^rotate_q: the cache spec applies no RoPE"),
+    ({"cos_sin": fake((64, 32, 2), "float32")}, r"^cos_sin: only used to rotate q"),
+    ({"block_table": fake((B, 4), "int32")}, r"^block_table: the cache spec is contiguous"),
+])
+def test_bind_rejects_bad_arguments_naming_them(overrides, message):
+    error = TypeError if "dtype" in message else ValueError
+    with pytest.raises(error, match=message):
+        bind(**overrides)
+
+
+def test_out_may_be_q_itself_but_not_overlap_it():
+    q = fake((TOTAL, HQ, 64), "float16")
+    bind(q=q, out=q)
+    shifted = fake((TOTAL, HQ, 64), "float16", ptr=q.ptr + 128)
+    with pytest.raises(ValueError, match=r"^out: expected q itself or memory disjoint"):
+        bind(q=q, out=shifted)
+
+
+# -- the parameter block and the variants ------------------------------------------------------
+def test_params_match_the_cuda_struct():
+    header = (CU / "multi_params.cuh").read_text()
+    assert f"sizeof(MultiParams) == {ctypes.sizeof(MultiParams)}" in header
+    body = header.split("struct MultiParams {")[1].split("};")[0]
+    declared = [name for line in body.splitlines()
+                for name in re.findall(r"\b(\w+)\s*[,;]", line.split("//")[0])]
+    assert declared == [name for name, _ in MultiParams._fields_]
+
+
+def test_error_bits_match_the_header():
+    header = (CU / "kv_types.cuh").read_text()
+    assert f"kErrorQueryRange = {support.ERROR_QUERY_RANGE}u" in header
+
+
+def test_shipped_variants_cover_the_matrix():
+    variants = list(shipped_variants())
+    keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit)
+            for v in variants}
+    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2
+    for v in variants:
+        assert v.rows_per_cta * v.ksplit == 64
+        assert re.fullmatch(r"llfd::multi_attend<\d+, \d, llfd::(f16|bf16), (float|uint16_t), "
+                            r"(true|false), [124]>", v.kernel)
