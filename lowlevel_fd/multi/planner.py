@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
-# KV tiles per split at least, and the grid the splits aim for (resident CTAs per SM x SMs,
-# one wave). Measured at B=8, S=4096, 4 drafts (PERF_NOTES m2): 4 splits of 1024 tokens took
-# 35.6 us, 13 splits of 320 tokens 46.4 us; a split's fixed cost (its Q, the pipeline's fill,
-# its partial and the merge) outweighs the parallelism of short splits.
+# KV tiles per split at least, and the grid the splits aim for (resident CTAs per SM x SMs x
+# WAVES). Measured at S=4096, 4 drafts (PERF_NOTES m2): at B=8, 4 splits of 1024 tokens took
+# 35.6 us and 13 splits of 320 tokens 46.4 us (a split's fixed cost, its Q, the pipeline's
+# fill, its partial and the merge, outweighs short splits); at B=64, 2 splits 216 us and
+# none 246 us (512 CTAs are 1.3 waves: the second one runs a third full).
 MIN_SPLIT_TILES = 16
-WAVES = 1
+WAVES = 2
 
 
 @dataclass(frozen=True)
