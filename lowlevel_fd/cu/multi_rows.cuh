@@ -1,0 +1,148 @@
+// The multi-token kernel's query rows (multi.cu): loading a lane's Q fragments (RoPE and the
+// fp16 range), storing output rows, and merging a row tile's KV splits.
+#pragma once
+#include "multi_params.cuh"
+#include "rows.cuh"
+
+#ifndef kNegInf
+#define kNegInf (__int_as_float(0xff800000))
+#endif
+
+namespace llfd {
+
+constexpr int kMultiMaxSplits = 32;  // multi/planner.py MAX_SPLITS
+constexpr float kMultiLn2 = 0.6931471805599453f;
+
+// This lane's Q fragments for its rows r_lo and r_lo + 8 (dims permuted as the K fragments:
+// multi_tiles.cuh), and each row's scale into fp16 range. Rows past the sequence's are zero.
+template <int HEAD_DIM, typename QT>
+__device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], float (&row_scale)[2],
+                                          const MultiParams& p, const SequenceRows& sr, int kvh,
+                                          int r_lo, int c) {
+  constexpr int kChunks = HEAD_DIM / 16;
+  constexpr bool kWiden = is_same<QT, bf16>::value;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + 8 * hr;
+    uint2 words[kChunks];
+    const bool valid = r < sr.rows;
+    const int token = valid ? r / p.group_size : 0;
+    const uint16_t* row = static_cast<const uint16_t*>(p.q) +
+                          (sr.q0 + token) * p.q_token_stride +
+                          (kvh * p.group_size + r - token * p.group_size) * p.q_head_stride;
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+      words[s] = valid ? __ldg(reinterpret_cast<const uint2*>(row + 16 * s + 4 * c))
+                       : make_uint2(0, 0);
+    row_scale[hr] = 1.f;
+    if (kWiden || p.rope != kRopeNone) {
+      float x[kChunks][4];
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s) {
+        x[s][0] = to_float<QT>(words[s].x & 0xffff); x[s][1] = to_float<QT>(words[s].x >> 16);
+        x[s][2] = to_float<QT>(words[s].y & 0xffff); x[s][3] = to_float<QT>(words[s].y >> 16);
+      }
+      const int pos = sr.prefix + token;
+      if (p.rope == kRopeNeox && valid) {  // pairs (d, d + D/2): chunks s and s + kChunks/2
+#pragma unroll
+        for (int s = 0; s < kChunks / 2; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 cs = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos,
+                                                          16 * s + 4 * c + e);
+            const float a = x[s][e], b = x[s + kChunks / 2][e];
+            x[s][e] = a * cs.x - b * cs.y;
+            x[s + kChunks / 2][e] = b * cs.x + a * cs.y;
+          }
+      } else if (p.rope == kRopeGptj && valid) {  // pairs (2i, 2i + 1): elements e, e + 1
+#pragma unroll
+        for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const float2 cs = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos,
+                                                          8 * s + 2 * c + e / 2);
+            const float a = x[s][e], b = x[s][e + 1];
+            x[s][e] = a * cs.x - b * cs.y;
+            x[s][e + 1] = a * cs.y + b * cs.x;
+          }
+      }
+      float absmax = 0.f;
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) absmax = fmaxf(absmax, fabsf(x[s][e]));
+      absmax = warp_max_xor(absmax, 2);  // the row's four lanes
+      // Largest power of two with absmax * up < 2^15: fp16 range, bf16 precision kept.
+      const int exponent = absmax > 0.f ? ((__float_as_int(absmax) >> 23) & 0xff) - 127 : 0;
+      const float up = exp2f(static_cast<float>(14 - exponent));
+      row_scale[hr] = 1.f / up;
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s)
+        words[s] = make_uint2(pack2<f16>(x[s][0] * up, x[s][1] * up),
+                              pack2<f16>(x[s][2] * up, x[s][3] * up));
+    }
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s) {
+      qf[s][hr] = words[s].x;      // k = 2c, 2c+1 of row g (hr 0) or g + 8 (hr 1)
+      qf[s][2 + hr] = words[s].y;  // k = 2c+8, 2c+9
+    }
+  }
+}
+
+// Four consecutive output elements of a row.
+template <typename QT>
+__device__ __forceinline__ void store4(void* out, int64_t offset, float a, float b, float c,
+                                      float d) {
+  *reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + offset) =
+      make_uint2(pack2<QT>(a, b), pack2<QT>(c, d));
+}
+
+// Weighted sum of the tile's split partials (fixed order: reproducible). `scratch`: shared
+// memory for (kMultiMaxSplits + 2) x ROWS floats (the pipeline's, no longer in use).
+template <int HEAD_DIM, int ROWS, typename QT>
+__device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, int kvh,
+                                  int row0, int tile_rows, int64_t slot, int active,
+                                  float* scratch) {
+  float* weight = scratch;                                  // [active][64]
+  float* row_total = scratch + kMultiMaxSplits * ROWS;  // [ROWS]
+  float* row_best = row_total + ROWS;                 // [ROWS]
+  const int64_t base = slot * p.num_splits;
+  for (int i = threadIdx.x; i < active * ROWS; i += blockDim.x)  // rows past the tile's: unwritten
+    weight[i] = i % ROWS < tile_rows ? __ldcg(p.partial_lse + base * ROWS + i) : kNegInf;
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    const int row = threadIdx.x;
+    float best = kNegInf, sum = 0.f;
+    for (int s = 0; s < active; ++s) best = fmaxf(best, weight[s * ROWS + row]);
+    for (int s = 0; s < active; ++s) {
+      const float w = best == kNegInf ? 0.f : fast_exp2(weight[s * ROWS + row] - best);
+      weight[s * ROWS + row] = w;
+      sum += w;
+    }
+    row_total[row] = sum;
+    row_best[row] = best;
+  }
+  __syncthreads();
+  constexpr int kQuads = HEAD_DIM / 4;
+  const float4* parts = reinterpret_cast<const float4*>(p.partial_out) + base * ROWS * kQuads;
+  for (int idx = threadIdx.x; idx < tile_rows * kQuads; idx += blockDim.x) {
+    const int local = idx / kQuads, quad = idx % kQuads;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < active; ++s) {
+      const float w = weight[s * ROWS + local];
+      const float4 v = __ldcg(parts + (s * ROWS + local) * kQuads + quad);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
+    const float sum = row_total[local], inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int r = row0 + local, token = r / p.group_size;
+    const int head = kvh * p.group_size + r - token * p.group_size;
+    const int64_t q_row = sr.q0 + token;
+    store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad,
+               acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (quad == 0 && p.lse != nullptr)
+      p.lse[q_row * p.num_kv_heads * p.group_size + head] =
+          sum > 0.f ? (row_best[local] + __log2f(sum)) * kMultiLn2 : kNegInf;
+  }
+}
+
+}  // namespace llfd
