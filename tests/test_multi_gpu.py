@@ -187,3 +187,65 @@ def test_bad_page_ids_are_never_read(rng, stream):
         case.run(plan, stream)
         assert plan.error_flags(stream=stream) == ERROR_BAD_PAGE
         assert np.isfinite(d["out"].numpy()).all()
+
+
+def test_chunked_prefill_end_to_end_writes_the_append_bytes(rng, stream):
+    """A prompt written in two chunks by PromptQuantizer(starts=) holds the bytes AppendPlan
+    writes token by token (RoPE neox, per-token scales); MultiPlan over the second chunk, with
+    q rotated in the kernel, matches the oracle over that cache."""
+    from lowlevel_fd import AppendPlan, PromptQuantizer
+    from lowlevel_fd.driver import dtypes
+    B, HKV, HQ, D, S = 2, 2, 8, 128, 96
+    lens = np.array([80, 45], np.int32)
+    first = np.array([33, 16], np.int32)  # the first chunk; the second is the rest
+    qt = dtypes.as_dtype("float16")
+    k = rng.standard_normal((B, S, HKV, D)).astype(qt)
+    v = rng.standard_normal((B, S, HKV, D)).astype(qt)
+
+    def empty():
+        return {"k_cache": DeviceArray.from_numpy(np.zeros((B, HKV, S, D), np.int8)),
+                "v_cache": DeviceArray.from_numpy(np.zeros((B, HKV, S, D), np.int8)),
+                "k_scale": DeviceArray.from_numpy(np.zeros((B, HKV, S), np.float32)),
+                "v_scale": DeviceArray.from_numpy(np.zeros((B, HKV, S), np.float32))}
+    names = ("k_cache", "v_cache", "k_scale", "v_scale")
+    chunked, appended = empty(), empty()
+    quantizer = PromptQuantizer.create(HKV, D, max_batch=B, rope="neox")
+    cached = DeviceArray.from_numpy(np.zeros(B, np.int32))
+    for start, count in ((np.zeros(B, np.int32), first), (first, lens - first)):
+        part_k, part_v = np.zeros_like(k), np.zeros_like(v)
+        for b in range(B):
+            part_k[b, :count[b]] = k[b, start[b]:start[b] + count[b]]
+            part_v[b, :count[b]] = v[b, start[b]:start[b] + count[b]]
+        quantizer.run(DeviceArray.from_numpy(part_k), DeviceArray.from_numpy(part_v),
+                      *(chunked[n] for n in names), DeviceArray.from_numpy(count),
+                      starts=DeviceArray.from_numpy(start), seq_lens_out=cached,
+                      stream=stream)
+        stream.synchronize()
+    appender = AppendPlan.create(HQ, HKV, D, max_batch=B, rope="neox")
+    positions = DeviceArray.from_numpy(np.zeros(B, np.int32))
+    for t in range(int(lens.max())):
+        # a finished sequence's position is past the cache: nothing written (flagged)
+        positions.copy_from_numpy(np.where(t < lens, t, S).astype(np.int32))
+        appender.run(DeviceArray.from_numpy(np.ascontiguousarray(k[:, t])),
+                     DeviceArray.from_numpy(np.ascontiguousarray(v[:, t])),
+                     *(appended[n] for n in names), positions, stream=stream)
+        stream.synchronize()
+    stream.synchronize()
+    assert quantizer.error_flags(stream=stream) == 0
+    assert cached.numpy().tolist() == lens.tolist()
+    for n in names:
+        assert chunked[n].numpy().tobytes() == appended[n].numpy().tobytes(), n
+
+    # Attention of the second chunk over the cache, q rotated at its positions in the kernel.
+    case = MultiCase(list(lens - first), list(lens), HQ, HKV, D, capacity=S)
+    case.fill(rng)
+    for n in names:
+        case.host[n] = chunked[n].numpy()
+    d = case.upload(rng)
+    positions_q = np.concatenate([np.arange(first[b], lens[b]) for b in range(B)])
+    with case.make_plan(rope="neox") as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        case.run(plan, stream, rotate_q=True)
+        stream.synchronize()
+        check(case, q=rotate(case.host["q"], positions_q, "neox"))
+        assert d["out"].numpy().shape == (case.total_q, HQ, D)
