@@ -21,18 +21,26 @@ namespace llfd {
 
 constexpr int kMultiStages = 3;      // KV tiles in flight
 
-// KSPLIT: warps per 16 query rows, each taking its share of every KV tile (the CTA then owns
-// 64 / KSPLIT rows). Short chunks (speculative drafts: a few tokens x the group) fill only one
-// or two warps' rows; with KSPLIT 4 all four warps convert and multiply a quarter of each tile
-// and the CTA merges them at the end, so a CTA streams its KV four times as fast.
+// Each warp owns kMT m-blocks of 16 rows (two below head_dim 256): the int8 -> fp16 conversion
+// of a K/V fragment, the kernel's main cost next to the mma, then serves two mmas.
+// KSPLIT: warps per row group, each taking its share of every KV tile (the CTA then owns
+// 4 / KSPLIT row groups). Short chunks (speculative drafts: a few tokens x the group) fill
+// one row group; with KSPLIT 4 all four warps convert and multiply a quarter of each tile and
+// the CTA merges them at the end, so a CTA streams its KV four times as fast.
 template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED, int KSPLIT>
 __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ MultiParams p) {
-  using T = MultiTile<HEAD_DIM>;
-  constexpr int kChunks = HEAD_DIM / 16, kNB = T::kRows / 8, kKT = T::kRows / 16;
   static_assert(KSPLIT == 1 || KSPLIT == 2 || KSPLIT == 4, "1, 2 or 4 warps per row group");
-  constexpr int kGroups = 4 / KSPLIT, kCtaRows = 16 * kGroups;  // row groups of 16, rows
-  constexpr int kNBw = kNB / KSPLIT, kKTw = kKT / KSPLIT;        // a warp's share of a tile
+  constexpr int kMT = HEAD_DIM == 256 ? 1 : 2;              // 16-row m-blocks per warp
+  // KV tokens per tile: 32 where the score accumulators of 64 would not fit in registers next
+  // to the output's (head_dim 256; 128 with two m-blocks and the whole tile per warp).
+  constexpr int kTileRows = HEAD_DIM == 256 || (HEAD_DIM == 128 && KSPLIT == 1) ? 32 : 64;
+  using T = MultiTile<HEAD_DIM, kTileRows>;
+  constexpr int kChunks = HEAD_DIM / 16, kNB = T::kRows / 8, kKT = T::kRows / 16;
+  constexpr int kGroups = 4 / KSPLIT;                       // row groups of the CTA
+  constexpr int kWarpRows = 16 * kMT, kCtaRows = kWarpRows * kGroups;
+  constexpr int kNBw = kNB / KSPLIT, kKTw = kKT / KSPLIT;   // a warp's share of a tile
   static_assert(kKTw >= 1, "a warp's share of a KV tile is at least 16 tokens");
+  static_assert(kChunks % 2 == 0 && kNBw % 2 == 0, "K is read two chunks x two n-blocks at a time");
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem[];
   __shared__ int is_last;
@@ -53,15 +61,21 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   if (split >= active) return;
   const int start = split * chunk, end = min(kv_end, start + chunk);
 
-  const int r_lo = row0 + 16 * wr + g;
-  const bool warp_active = row0 + 16 * wr < sr.rows;
-  const int warp_limit = warp_active ? sr.limit(p, min(row0 + 16 * wr + 15, sr.rows - 1)) : 0;
-  int visible[2];  // tokens [0, visible) of this split each row sees
+  // This warp's rows: m-block mt holds rows w_row0 + 16 mt + g (+ 8); `blocks` of them live.
+  const int w_row0 = row0 + kWarpRows * wr;
+  const bool warp_active = w_row0 < sr.rows;
+  const int blocks = warp_active ? min(kMT, (sr.rows - w_row0 + 15) / 16) : 0;
+  const int warp_limit = warp_active ? sr.limit(p, min(w_row0 + kWarpRows - 1, sr.rows - 1)) : 0;
+  int visible[kMT][2];  // tokens [0, visible) of this split each row sees
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr)
-    visible[hr] = r_lo + 8 * hr < sr.rows ? min(end, sr.limit(p, r_lo + 8 * hr)) : 0;
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = w_row0 + 16 * mt + 8 * hr + g;
+      visible[mt][hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
+    }
 
-  TileLoader<HEAD_DIM, kTokenScales, ScaleT, PAGED> loader(p, b, kvh);
+  TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED> loader(p, b, kvh);
   const uint32_t smem_base = shared_address(smem);
   loader.fetch(start, end);
 #pragma unroll
@@ -74,18 +88,11 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
     cp_async_commit();
   }
 
-  // head_dim 256 keeps the Q fragments in shared memory (16 bytes per lane and k-step,
-  // conflict-free): in registers they push the kernel into spills.
-  constexpr bool kQueryInShared = HEAD_DIM == 256;
+  // Q fragments live in shared memory (16 bytes per lane, m-block and 16-dim chunk, read
+  // conflict-free by the lane that wrote them): in registers, next to the accumulators of two
+  // m-blocks, they would push the kernel into spills.
   uint4* const q_shared = reinterpret_cast<uint4*>(smem + kMultiStages * T::kBytes) +
-                          warp * kChunks * 32;
-  uint32_t qf[kChunks][4];
-  float row_const[2];
-  load_rows<HEAD_DIM, QT>(qf, row_const, p, sr, kvh, r_lo, c);
-  if constexpr (kQueryInShared)
-#pragma unroll
-    for (int s = 0; s < kChunks; ++s)
-      q_shared[s * 32 + lane] = make_uint4(qf[s][0], qf[s][1], qf[s][2], qf[s][3]);
+                          warp * kMT * kChunks * 32;
   float k_const = p.score_scale_log2, v_const = 1.f;
   if constexpr (SCALE_MODE == kScalePerTensor) {
     k_const *= __ldg(static_cast<const float*>(p.k_scale));
@@ -94,13 +101,27 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
     k_const *= __ldg(static_cast<const float*>(p.k_scale) + kvh);
     v_const = __ldg(static_cast<const float*>(p.v_scale) + kvh);
   }
-  row_const[0] *= k_const;
-  row_const[1] *= k_const;
-
-  float oacc[2 * kChunks][4];
+  float row_const[kMT][2];
 #pragma unroll
-  for (int n = 0; n < 2 * kChunks; ++n) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.f;
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < kMT; ++mt) {
+    uint32_t qf[kChunks][4];
+    load_rows<HEAD_DIM, QT>(qf, row_const[mt], p, sr, kvh, w_row0 + 16 * mt + g, c);
+    row_const[mt][0] *= k_const;
+    row_const[mt][1] *= k_const;
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+      q_shared[(mt * kChunks + s) * 32 + lane] = make_uint4(qf[s][0], qf[s][1], qf[s][2], qf[s][3]);
+  }
+
+  float oacc[kMT][2 * kChunks][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int n = 0; n < 2 * kChunks; ++n)
+      oacc[mt][n][0] = oacc[mt][n][1] = oacc[mt][n][2] = oacc[mt][n][3] = 0.f;
+  float m[kMT][2], l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) m[mt][0] = m[mt][1] = kNegInf, l[mt][0] = l[mt][1] = 0.f;
   float v_ref = kTokenScales ? 0.f : 1.f;
 
   int stage = 0;
@@ -121,62 +142,79 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
     if (warp_active && t0 < warp_limit) {
       const uint32_t st_addr = smem_base + stage * T::kBytes;
       const char* st_ptr = smem + stage * T::kBytes;
-      // ---- S = Q K^T: rows g, g + 8, columns (tokens) 8 nb + 2c, +1 ----
-      float s[kNBw][4];
+      // ---- S = Q K^T: rows g, g + 8 of each m-block, columns (tokens) 8 nb + 2c, +1 ----
+      float s[kMT][kNBw][4];
 #pragma unroll
-      for (int j = 0; j < kNBw; ++j) {
-        const int nb = wk * kNBw + j;
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int s4 = 0; s4 < kChunks / 4; ++s4) {
+        for (int j = 0; j < kNBw; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+      // Two 16-dim chunks of Q at a time (read once per tile); one ldmatrix brings K for two
+      // n-blocks x those two chunks (matrix i: n-block 2 jp + i / 2, chunk 2 s2 + i % 2).
+#pragma unroll
+      for (int s2 = 0; s2 < kChunks / 2; ++s2) {
+        uint32_t qa[kMT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const uint4 v = q_shared[(mt * kChunks + 2 * s2 + i) * 32 + lane];
+            qa[mt][i][0] = v.x; qa[mt][i][1] = v.y; qa[mt][i][2] = v.z; qa[mt][i][3] = v.w;
+          }
+#pragma unroll
+        for (int jp = 0; jp < kNBw / 2; ++jp) {
+          const int nb = wk * kNBw + 2 * jp;
           uint32_t r[4];
-          ldmatrix_x4(r, st_addr + T::kK + T::offset(8 * nb + (lane & 7), 4 * s4 + (lane >> 3)));
+          ldmatrix_x4(r, st_addr + T::kK + T::offset(8 * (nb + (lane >> 4)) + (lane & 7),
+                                                     2 * s2 + ((lane >> 3) & 1)));
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const uint32_t u = r[i] ^ 0x80808080u;
-            if constexpr (kQueryInShared) {
-              const uint4 q4 = q_shared[(4 * s4 + i) * 32 + lane];
-              const uint32_t a[4] = {q4.x, q4.y, q4.z, q4.w};
-              mma_16x8x16(s[j], a, int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
-            } else {
-              mma_16x8x16(s[j], qf[4 * s4 + i], int8_pair<0x4140u>(u), int8_pair<0x4342u>(u));
-            }
+            const uint32_t b0 = int8_pair<0x4140u>(u), b1 = int8_pair<0x4342u>(u);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+              if (mt < blocks) mma_16x8x16(s[mt][2 * jp + i / 2], qa[mt][i % 2], b0, b1);
           }
         }
       }
       // ---- scale, mask, online softmax in base 2 ----
+      float2 ks[kNBw];
 #pragma unroll
       for (int j = 0; j < kNBw; ++j) {
-        const int nb = wk * kNBw + j;
-        float2 ks = make_float2(1.f, 1.f);
+        ks[j] = make_float2(1.f, 1.f);
         if constexpr (kTokenScales)
-          ks = *reinterpret_cast<const float2*>(st_ptr + T::kKScale + 4 * (8 * nb + 2 * c));
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = t0 + 8 * nb + 2 * c + (e & 1), hr = e >> 1;
-          const float x = s[j][e] * row_const[hr] * ((e & 1) ? ks.y : ks.x);
-          s[j][e] = col < visible[hr] ? x : kNegInf;
-        }
+          ks[j] = *reinterpret_cast<const float2*>(st_ptr + T::kKScale +
+                                                   4 * (8 * (wk * kNBw + j) + 2 * c));
       }
-      float corr[2];
+      float corr[kMT][2];
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float mx = kNegInf;
+      for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-        for (int j = 0; j < kNBw; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * hr], s[j][2 * hr + 1]));
-        mx = warp_max_xor(mx, 2);
-        const float m_new = fmaxf(m[hr], mx);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
-        corr[hr] = fast_exp2(m[hr] - m_use);
-        m[hr] = m_new;
-        float sum = 0.f;
+        for (int j = 0; j < kNBw; ++j)
 #pragma unroll
-        for (int j = 0; j < kNBw; ++j) {
-          s[j][2 * hr] = fast_exp2(s[j][2 * hr] - m_use);
-          s[j][2 * hr + 1] = fast_exp2(s[j][2 * hr + 1] - m_use);
-          sum += s[j][2 * hr] + s[j][2 * hr + 1];
+          for (int e = 0; e < 4; ++e) {
+            const int col = t0 + 8 * (wk * kNBw + j) + 2 * c + (e & 1), hr = e >> 1;
+            const float x = s[mt][j][e] * row_const[mt][hr] * ((e & 1) ? ks[j].y : ks[j].x);
+            s[mt][j][e] = col < visible[mt][hr] ? x : kNegInf;
+          }
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float mx = kNegInf;
+#pragma unroll
+          for (int j = 0; j < kNBw; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * hr], s[mt][j][2 * hr + 1]));
+          mx = warp_max_xor(mx, 2);
+          const float m_new = fmaxf(m[mt][hr], mx);
+          const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
+          corr[mt][hr] = fast_exp2(m[mt][hr] - m_use);
+          m[mt][hr] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kNBw; ++j) {
+            s[mt][j][2 * hr] = fast_exp2(s[mt][j][2 * hr] - m_use);
+            s[mt][j][2 * hr + 1] = fast_exp2(s[mt][j][2 * hr + 1] - m_use);
+            sum += s[mt][j][2 * hr] + s[mt][j][2 * hr + 1];
+          }
+          l[mt][hr] = l[mt][hr] * corr[mt][hr] + sum;
         }
-        l[hr] = l[hr] * corr[hr] + sum;
       }
       float ratio[kNBw][2];
 #pragma unroll
@@ -196,26 +234,31 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
         const float change = new_ref > 0.f ? v_ref * inv : 1.f;
 #pragma unroll
         for (int j = 0; j < kNBw; ++j) ratio[j][0] *= inv, ratio[j][1] *= inv;
-        corr[0] *= change;
-        corr[1] *= change;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) corr[mt][0] *= change, corr[mt][1] *= change;
         v_ref = new_ref;
       }
 #pragma unroll
-      for (int n = 0; n < 2 * kChunks; ++n) {
-        oacc[n][0] *= corr[0]; oacc[n][1] *= corr[0];
-        oacc[n][2] *= corr[1]; oacc[n][3] *= corr[1];
-      }
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int n = 0; n < 2 * kChunks; ++n) {
+          oacc[mt][n][0] *= corr[mt][0]; oacc[mt][n][1] *= corr[mt][0];
+          oacc[mt][n][2] *= corr[mt][1]; oacc[mt][n][3] *= corr[mt][1];
+        }
       // ---- O += P V: k = 16 tokens per step, n = the even and odd dims of each chunk ----
 #pragma unroll
       for (int jt = 0; jt < kKTw; ++jt) {
         const int kt = wk * kKTw + jt;
-        const float* lo = s[2 * jt];
-        const float* hi = s[2 * jt + 1];
-        const uint32_t a[4] = {
-            pack2<f16>(lo[0] * ratio[2 * jt][0], lo[1] * ratio[2 * jt][1]),
-            pack2<f16>(lo[2] * ratio[2 * jt][0], lo[3] * ratio[2 * jt][1]),
-            pack2<f16>(hi[0] * ratio[2 * jt + 1][0], hi[1] * ratio[2 * jt + 1][1]),
-            pack2<f16>(hi[2] * ratio[2 * jt + 1][0], hi[3] * ratio[2 * jt + 1][1])};
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const float* lo = s[mt][2 * jt];
+          const float* hi = s[mt][2 * jt + 1];
+          a[mt][0] = pack2<f16>(lo[0] * ratio[2 * jt][0], lo[1] * ratio[2 * jt][1]);
+          a[mt][1] = pack2<f16>(lo[2] * ratio[2 * jt][0], lo[3] * ratio[2 * jt][1]);
+          a[mt][2] = pack2<f16>(hi[0] * ratio[2 * jt + 1][0], hi[1] * ratio[2 * jt + 1][1]);
+          a[mt][3] = pack2<f16>(hi[2] * ratio[2 * jt + 1][0], hi[3] * ratio[2 * jt + 1][1]);
+        }
 #pragma unroll
         for (int dp = 0; dp < kChunks / 2; ++dp) {
           uint32_t r[4];
@@ -225,9 +268,15 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const uint32_t u0 = r[2 * h] ^ 0x80808080u, u1 = r[2 * h + 1] ^ 0x80808080u;
+            const uint32_t e0 = int8_pair<0x4240u>(u0), e1 = int8_pair<0x4240u>(u1);
+            const uint32_t o0 = int8_pair<0x4341u>(u0), o1 = int8_pair<0x4341u>(u1);
             const int n = 2 * (2 * dp + h);
-            mma_16x8x16(oacc[n], a, int8_pair<0x4240u>(u0), int8_pair<0x4240u>(u1));
-            mma_16x8x16(oacc[n + 1], a, int8_pair<0x4341u>(u0), int8_pair<0x4341u>(u1));
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+              if (mt < blocks) {
+                mma_16x8x16(oacc[mt][n], a[mt], e0, e1);
+                mma_16x8x16(oacc[mt][n + 1], a[mt], o0, o1);
+              }
           }
         }
       }
@@ -238,95 +287,107 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   if constexpr (PAGED)
     if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
 
-  float total[2];
+  float total[kMT][2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) total[hr] = warp_sum_xor(l[hr], 2);
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) total[mt][hr] = warp_sum_xor(l[mt][hr], 2);
   // ---- KSPLIT: the warps of a row group merge into its first (wk == 0) ----
   if constexpr (KSPLIT > 1) {
     __syncthreads();  // every warp is out of the loop: the pipeline's memory is free
-    float4* const o_shared = reinterpret_cast<float4*>(smem);  // [warp][2 kChunks][32 lanes]
-    float* const ml = reinterpret_cast<float*>(o_shared + 4 * 2 * kChunks * 32);  // [warp][2][16]
+    float4* const o_shared = reinterpret_cast<float4*>(smem);  // [warp][mt][2 kChunks][32]
+    float* const ml = reinterpret_cast<float*>(o_shared + 4 * kMT * 2 * kChunks * 32);
 #pragma unroll
-    for (int n = 0; n < 2 * kChunks; ++n)
-      o_shared[(warp * 2 * kChunks + n) * 32 + lane] =
-          make_float4(oacc[n][0] * v_ref, oacc[n][1] * v_ref, oacc[n][2] * v_ref,
-                      oacc[n][3] * v_ref);
-    if (c == 0)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        ml[(warp * 2) * 16 + g + 8 * hr] = m[hr];
-        ml[(warp * 2 + 1) * 16 + g + 8 * hr] = total[hr];
-      }
+      for (int n = 0; n < 2 * kChunks; ++n)
+        o_shared[((warp * kMT + mt) * 2 * kChunks + n) * 32 + lane] =
+            make_float4(oacc[mt][n][0] * v_ref, oacc[mt][n][1] * v_ref,
+                        oacc[mt][n][2] * v_ref, oacc[mt][n][3] * v_ref);
+    if (c == 0)  // [warp][m, l][kWarpRows]
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          ml[(warp * 2) * kWarpRows + 16 * mt + 8 * hr + g] = m[mt][hr];
+          ml[(warp * 2 + 1) * kWarpRows + 16 * mt + 8 * hr + g] = total[mt][hr];
+        }
     __syncthreads();
     if (wk == 0) {
-      float weight[KSPLIT][2];
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        float best = kNegInf;
+      for (int mt = 0; mt < kMT; ++mt) {
+        float weight[KSPLIT][2];
 #pragma unroll
-        for (int j = 0; j < KSPLIT; ++j) best = fmaxf(best, ml[((wr + j * kGroups) * 2) * 16 + g + 8 * hr]);
-        const float use = best == kNegInf ? 0.f : best;
-        float sum = 0.f;
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = 16 * mt + 8 * hr + g;
+          float best = kNegInf;
 #pragma unroll
-        for (int j = 0; j < KSPLIT; ++j) {
-          const int w = wr + j * kGroups;
-          weight[j][hr] = fast_exp2(ml[(w * 2) * 16 + g + 8 * hr] - use);
-          sum += weight[j][hr] * ml[(w * 2 + 1) * 16 + g + 8 * hr];
+          for (int j = 0; j < KSPLIT; ++j)
+            best = fmaxf(best, ml[((wr + j * kGroups) * 2) * kWarpRows + row]);
+          const float use = best == kNegInf ? 0.f : best;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < KSPLIT; ++j) {
+            const int w = wr + j * kGroups;
+            weight[j][hr] = fast_exp2(ml[(w * 2) * kWarpRows + row] - use);
+            sum += weight[j][hr] * ml[(w * 2 + 1) * kWarpRows + row];
+          }
+          m[mt][hr] = best;
+          total[mt][hr] = sum;
         }
-        m[hr] = best;
-        total[hr] = sum;
-      }
 #pragma unroll
-      for (int n = 0; n < 2 * kChunks; ++n) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int n = 0; n < 2 * kChunks; ++n) {
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int j = 0; j < KSPLIT; ++j) {
-          const float4 v = o_shared[((wr + j * kGroups) * 2 * kChunks + n) * 32 + lane];
-          acc.x += weight[j][0] * v.x; acc.y += weight[j][0] * v.y;
-          acc.z += weight[j][1] * v.z; acc.w += weight[j][1] * v.w;
+          for (int j = 0; j < KSPLIT; ++j) {
+            const float4 v =
+                o_shared[(((wr + j * kGroups) * kMT + mt) * 2 * kChunks + n) * 32 + lane];
+            acc.x += weight[j][0] * v.x; acc.y += weight[j][0] * v.y;
+            acc.z += weight[j][1] * v.z; acc.w += weight[j][1] * v.w;
+          }
+          oacc[mt][n][0] = acc.x; oacc[mt][n][1] = acc.y;
+          oacc[mt][n][2] = acc.z; oacc[mt][n][3] = acc.w;
         }
-        oacc[n][0] = acc.x; oacc[n][1] = acc.y; oacc[n][2] = acc.z; oacc[n][3] = acc.w;
       }
       v_ref = 1.f;
     }
   }
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
-  float lse2[2], scale[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    lse2[hr] = total[hr] > 0.f ? m[hr] + __log2f(total[hr]) : kNegInf;
-    scale[hr] = total[hr] > 0.f ? v_const * v_ref / total[hr] : 0.f;
-  }
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
   if (warp_active && wk == 0)
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r_lo + 8 * hr, local = r - row0;
-      if (r >= sr.rows) continue;
-      const float f = scale[hr];
-      if (active == 1) {
-        const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;
-        const int64_t q_row = sr.q0 + token;
-        const int64_t at = q_row * p.out_token_stride + head * p.out_head_stride;
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int sc = 0; sc < kChunks; ++sc)
-          store4<QT>(p.out, at + 16 * sc + 4 * c, oacc[2 * sc][2 * hr] * f,
-                     oacc[2 * sc + 1][2 * hr] * f, oacc[2 * sc][2 * hr + 1] * f,
-                     oacc[2 * sc + 1][2 * hr + 1] * f);
-        if (p.lse != nullptr && c == 0)
-          p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2[hr] * kMultiLn2;
-      } else {
-        float* dst = p.partial_out + (part * kCtaRows + local) * HEAD_DIM;
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = w_row0 + 16 * mt + 8 * hr + g, local = r - row0;
+        if (r >= sr.rows) continue;
+        const float sum = total[mt][hr];
+        const float lse2 = sum > 0.f ? m[mt][hr] + __log2f(sum) : kNegInf;
+        const float f = sum > 0.f ? v_const * v_ref / sum : 0.f;
+        const float(*acc)[4] = oacc[mt];
+        if (active == 1) {
+          const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;
+          const int64_t q_row = sr.q0 + token;
+          const int64_t at = q_row * p.out_token_stride + head * p.out_head_stride;
 #pragma unroll
-        for (int sc = 0; sc < kChunks; ++sc)
-          *reinterpret_cast<float4*>(dst + 16 * sc + 4 * c) =
-              make_float4(oacc[2 * sc][2 * hr] * f, oacc[2 * sc + 1][2 * hr] * f,
-                          oacc[2 * sc][2 * hr + 1] * f, oacc[2 * sc + 1][2 * hr + 1] * f);
-        if (c == 0) p.partial_lse[part * kCtaRows + local] = lse2[hr];
+          for (int sc = 0; sc < kChunks; ++sc)
+            store4<QT>(p.out, at + 16 * sc + 4 * c, acc[2 * sc][2 * hr] * f,
+                       acc[2 * sc + 1][2 * hr] * f, acc[2 * sc][2 * hr + 1] * f,
+                       acc[2 * sc + 1][2 * hr + 1] * f);
+          if (p.lse != nullptr && c == 0)
+            p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2 * kMultiLn2;
+        } else {
+          float* dst = p.partial_out + (part * kCtaRows + local) * HEAD_DIM;
+#pragma unroll
+          for (int sc = 0; sc < kChunks; ++sc)
+            *reinterpret_cast<float4*>(dst + 16 * sc + 4 * c) =
+                make_float4(acc[2 * sc][2 * hr] * f, acc[2 * sc + 1][2 * hr] * f,
+                            acc[2 * sc][2 * hr + 1] * f, acc[2 * sc + 1][2 * hr + 1] * f);
+          if (c == 0) p.partial_lse[part * kCtaRows + local] = lse2;
+        }
       }
-    }
   if (active == 1) return;
 
   // ---- the last split of this tile to arrive merges all of them ----
@@ -337,7 +398,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   if (!is_last) return;
   __threadfence();
   merge_tile_splits<HEAD_DIM, kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
-                                  reinterpret_cast<float*>(smem));
+                                            reinterpret_cast<float*>(smem));
   if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
 }
 

@@ -20,10 +20,11 @@
 
 namespace llfd {
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, int ROWS>
 struct MultiTile {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64/128/256");
-  static constexpr int kRows = HEAD_DIM == 256 ? 32 : 64;  // KV tokens per tile
+  static_assert(ROWS == 32 || ROWS == 64, "32 or 64 KV tokens per tile");
+  static constexpr int kRows = ROWS;  // KV tokens per tile
   static constexpr int kRowChunks = HEAD_DIM / 16;
   static constexpr int kK = 0, kV = kRows * HEAD_DIM, kKScale = 2 * kRows * HEAD_DIM;
   static constexpr int kVScale = kKScale + 4 * kRows;
@@ -45,9 +46,9 @@ struct MultiTile {
 // math. fp16 scales are copied as their aligned 4-byte word (cp.async has no 2-byte form) with
 // the half selected per stage by a bit (`selectors`), and widened to fp32 in place by the same
 // thread once its copies land (widen): the math reads fp32 scales.
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, bool PAGED>
+template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, typename ScaleT, bool PAGED>
 struct TileLoader {
-  using T = MultiTile<HEAD_DIM>;
+  using T = MultiTile<HEAD_DIM, ROWS>;
   const int8_t *k_base, *v_base;  // contiguous: this sequence at the KV head; paged: the pools
   const char *ks_base, *vs_base;  //   at the KV head (bytes)
   const int32_t* table;           // paged: this sequence's row of the block table

@@ -127,7 +127,7 @@ class MultiPlan(OnCache):
                              f"{self.head_dim}, got {ksplit!r}")
         self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit)
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
-                             tile_tokens(self.head_dim), self.variant.rows_per_cta)
+                             tile_tokens(self.head_dim, ksplit), self.variant.rows_per_cta)
         kernel = load_kernels(self.variant, self.device)[0]
         shared = self.variant.shared_bytes
         kernel.allow_dynamic_shared(shared)
@@ -155,7 +155,8 @@ class MultiPlan(OnCache):
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
             "block": THREADS, "rows_per_cta": rows, "ksplit": ksplit, "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens,
-            "tile_tokens": tile_tokens(self.head_dim), "registers": kernel.num_registers,
+            "tile_tokens": tile_tokens(self.head_dim, ksplit),
+            "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,
             "ctas_per_sm": ctas_per_sm, "kernel": self.variant.kernel,
         }

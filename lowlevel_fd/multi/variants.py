@@ -14,15 +14,16 @@ THREADS = 128       # four warps
 STAGES = 3          # kMultiStages in multi.cu
 
 
-def tile_tokens(head_dim: int) -> int:
-    """KV tokens per pipeline tile (MultiTile::kRows): 32 at head_dim 256 (registers)."""
-    return 32 if head_dim == 256 else 64
+def tile_tokens(head_dim: int, ksplit: int = 1) -> int:
+    """KV tokens per pipeline tile (multi.cu kTileRows): 32 where 64 tokens' score
+    accumulators would not fit in registers (head_dim 256; 128 with the whole tile per warp)."""
+    return 32 if head_dim == 256 or (head_dim == 128 and ksplit == 1) else 64
 
 
 def ksplits(head_dim: int) -> tuple[int, ...]:
-    """The KSPLIT values shipped: 1 (four warps of 16 rows) and the most warps per row group
-    whose share of a tile is still 16 tokens (4; 2 at head_dim 256)."""
-    return (1, tile_tokens(head_dim) // 16)
+    """The KSPLIT values shipped: 1 (every warp its own rows) and the most warps per row group
+    whose share of a tile is still 16 tokens (4; 2 at head_dim 256, whose tiles are 32)."""
+    return (1, 2) if head_dim == 256 else (1, 4)
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,13 @@ class MultiVariant:
                    ksplit)
 
     @property
+    def row_blocks(self) -> int:
+        """16-row m-blocks per warp (multi.cu kMT): two, one at head_dim 256 (registers)."""
+        return 1 if self.head_dim == 256 else 2
+
+    @property
     def rows_per_cta(self) -> int:
-        return 64 // self.ksplit
+        return 16 * self.row_blocks * (4 // self.ksplit)
 
     @property
     def kernel(self) -> str:
@@ -59,15 +65,15 @@ class MultiVariant:
     @property
     def stage_bytes(self) -> int:
         """K and V rows of a tile and a fp32 K and V scale per token (MultiTile::kBytes)."""
-        rows = tile_tokens(self.head_dim)
+        rows = tile_tokens(self.head_dim, self.ksplit)
         return 2 * rows * self.head_dim + 8 * rows
 
     @property
     def shared_bytes(self) -> int:
-        """The pipeline's stages, and at head_dim 256 the warps' Q fragments (16 bytes per
-        lane and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
-        lane's accumulators, 4 x D/8 x 32 float4) and the split merge (far less)."""
-        query = (THREADS // 32) * (self.head_dim // 16) * 32 * 16 if self.head_dim == 256 else 0
+        """The pipeline's stages and the warps' Q fragments (16 bytes per lane, m-block and
+        16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every lane's
+        accumulators) and the split merge."""
+        query = (THREADS // 32) * self.row_blocks * (self.head_dim // 16) * 32 * 16
         return STAGES * self.stage_bytes + query
 
     source = "multi.cu"
