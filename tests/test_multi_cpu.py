@@ -13,7 +13,7 @@ from stand_ins import DEVICE, fake
 
 from lowlevel_fd import KVCacheSpec
 from lowlevel_fd.core import support
-from lowlevel_fd.multi import MultiWorkload, choose_splits, shipped_variants
+from lowlevel_fd.multi import MultiVariant, MultiWorkload, choose_splits, shipped_variants
 from lowlevel_fd.multi.bind import MultiBinder
 from lowlevel_fd.multi.params import MultiParams
 from lowlevel_fd.multi.plan import host_queries
@@ -50,23 +50,24 @@ def test_host_queries_want_host_arrays():
 
 
 # -- the planner -------------------------------------------------------------------------------
-def work(qo, kv, group=4, heads=8, head_dim=128, rows=64):
-    return MultiWorkload(np.asarray(qo), np.asarray(kv), group, heads, tile_tokens(head_dim),
-                         rows)
+def work(qo, kv, group=4, heads=8, head_dim=128, ksplit=1):
+    rows = MultiVariant(head_dim, ksplit=ksplit).rows_per_cta
+    return MultiWorkload(np.asarray(qo), np.asarray(kv), group, heads,
+                         tile_tokens(head_dim, ksplit), rows)
 
 
 def test_prefill_is_not_split_and_tiles_count_packed_rows():
     w = work([16384], [16384])
-    assert w.max_tiles == 16384 * 4 // 64
-    assert choose_splits(w, 132, 2) == (1, 1024)
+    assert w.max_tiles == 16384 * 4 // 128  # two 16-row blocks per warp, four warps
+    assert choose_splits(w, 132, 2) == (1, 16 * 32)
 
 
 def test_drafts_over_a_long_kv_are_split_into_runs_of_at_least_16_tiles():
-    w = work([4] * 8, [4096] * 8, rows=16)
+    w = work([4] * 8, [4096] * 8, ksplit=4)
     splits, min_tokens = choose_splits(w, 132, 3)
     assert (splits, min_tokens) == (4, 1024)  # 4096 / 1024: one wave would want 7
-    assert choose_splits(work([4] * 8, [900] * 8, rows=16), 132, 3)[0] == 1
-    assert choose_splits(work([1], [10**6], rows=16), 132, 3)[0] == MAX_SPLITS
+    assert choose_splits(work([4] * 8, [900] * 8, ksplit=4), 132, 3)[0] == 1
+    assert choose_splits(work([1], [10**6], ksplit=4), 132, 3)[0] == MAX_SPLITS
 
 
 @pytest.mark.parametrize("qo, group, head_dim, ksplit", [
@@ -160,6 +161,7 @@ def test_shipped_variants_cover_the_matrix():
             for v in variants}
     assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2
     for v in variants:
-        assert v.rows_per_cta * v.ksplit == 64
+        assert v.rows_per_cta == 16 * (1 if v.head_dim == 256 else 2) * 4 // v.ksplit
+        assert v.shared_bytes <= 227 * 1024
         assert re.fullmatch(r"llfd::multi_attend<\d+, \d, llfd::(f16|bf16), (float|uint16_t), "
                             r"(true|false), [124]>", v.kernel)
