@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int wr = warp % kGroups, wk = warp / kGroups;  // row group, share of the KV tile
 
-  const SequenceRows sr(p, b, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
+  const SequenceRows sr(p, b, kCtaRows, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
   const int row0 = tile * kCtaRows;
   if (row0 >= sr.rows) return;
   const int tile_rows = min(kCtaRows, sr.rows - row0);

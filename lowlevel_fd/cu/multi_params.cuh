@@ -16,8 +16,8 @@ struct MultiParams {
   const int32_t* qo_indptr;  // [B + 1]
   void* out;                 // [total_q, Hq, D] like q
   float* lse;                // [total_q, Hq] natural log, or null
-  float* partial_out;        // splits: [B * Hkv * max_tiles][num_splits][64 rows][D] fp32
-  float* partial_lse;        //   [B * Hkv * max_tiles][num_splits][64 rows], base 2
+  float* partial_out;        // splits: [B * Hkv * max_tiles][num_splits][tile rows][D] fp32
+  float* partial_lse;        //   [B * Hkv * max_tiles][num_splits][tile rows], base 2
   uint32_t* counters;        //   [B * Hkv * max_tiles]: arrivals (the last split merges)
   uint32_t* error_flags;     // [1], see kError*
   const float* cos_sin;      // RoPE of q (rope != 0): [max_pos >= capacity, D/2, 2] or null
@@ -33,7 +33,7 @@ struct MultiParams {
   int32_t min_split_tokens;  // a split never gets fewer tokens than this (multiple of the tile)
   int32_t capacity;          // tokens per sequence the cache holds
   int32_t total_q;           // rows of q and out
-  int32_t max_tiles;         // 64-row tiles per (sequence, KV head) the grid covers
+  int32_t max_tiles;         // row tiles (the kernel's rows per CTA) per sequence and KV head
   int32_t causal;            // 1: query i sees tokens t <= seq_len - qo_len + i
   int32_t rope;              // RopeStyle applied to q at its positions (0: q as given)
   float rope_theta;
@@ -48,8 +48,8 @@ struct MultiParams {
 
 static_assert(sizeof(MultiParams) == 264, "keep in sync with lowlevel_fd/multi/params.py");
 
-// The rows one CTA owns: sequence b's query rows of KV head kvh, packed token-major (row r is
-// token r / group, query head kvh * group + r % group), tile `tile` of 64 of them. Device
+// Sequence b's query rows of a KV head, packed token-major (row r is token r / group, query
+// head kvh * group + r % group), cut into tiles of the kernel's rows per CTA. Device
 // values are guarded: a qo_indptr interval that is not monotone or passes total_q and a chunk
 // longer than its KV set a flag and the sequence writes nothing; a length outside the cache
 // is clamped (flagged); rows past the plan's tiles are not computed (flagged).
@@ -57,7 +57,9 @@ struct SequenceRows {
   int q0, qo_len, prefix, len;  // first query row, chunk tokens, tokens before the chunk, KV
   int rows;                     // qo_len * group (rows of this KV head)
 
-  __device__ __forceinline__ SequenceRows(const MultiParams& p, int b, bool flagger) {
+  // cta_rows: the kernel's rows per CTA (the plan's tiles cover cta_rows * max_tiles rows).
+  __device__ __forceinline__ SequenceRows(const MultiParams& p, int b, int cta_rows,
+                                          bool flagger) {
     q0 = p.qo_indptr[b];
     const int q1 = p.qo_indptr[b + 1];
     len = p.seq_lens[b];
@@ -73,7 +75,7 @@ struct SequenceRows {
       q0 = 0;
     }
     rows = qo_len * p.group_size;
-    if (rows > 64 * p.max_tiles) flags |= kErrorQueryRange;
+    if (rows > cta_rows * p.max_tiles) flags |= kErrorQueryRange;
     prefix = len - qo_len;
     if (flagger && flags) atomicOr(p.error_flags, flags);
   }
