@@ -21,8 +21,8 @@ namespace llfd {
 
 constexpr int kMultiStages = 3;      // KV tiles in flight
 
-// Each warp owns kMT m-blocks of 16 rows (two below head_dim 256): the int8 -> fp16 conversion
-// of a K/V fragment, the kernel's main cost next to the mma, then serves two mmas.
+// Each warp owns kMT m-blocks of 16 rows (two in most variants): the int8 -> fp16 conversion
+// of a K/V fragment then serves two mmas.
 // KSPLIT: warps per row group, each taking its share of every KV tile (the CTA then owns
 // 4 / KSPLIT row groups). Short chunks (speculative drafts: a few tokens x the group) fill
 // one row group; with KSPLIT 4 all four warps convert and multiply a quarter of each tile and
@@ -30,7 +30,9 @@ constexpr int kMultiStages = 3;      // KV tiles in flight
 template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED, int KSPLIT>
 __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ MultiParams p) {
   static_assert(KSPLIT == 1 || KSPLIT == 2 || KSPLIT == 4, "1, 2 or 4 warps per row group");
-  constexpr int kMT = HEAD_DIM == 256 ? 1 : 2;              // 16-row m-blocks per warp
+  // 16-row m-blocks per warp: two when every warp takes whole tiles below head_dim 256; one
+  // otherwise (with split warps a second block's accumulators pushed variants into spills).
+  constexpr int kMT = HEAD_DIM != 256 && KSPLIT == 1 ? 2 : 1;
   // KV tokens per tile: 32 where the score accumulators of 64 would not fit in registers next
   // to the output's (head_dim 256; 128 with two m-blocks and the whole tile per warp).
   constexpr int kTileRows = HEAD_DIM == 256 || (HEAD_DIM == 128 && KSPLIT == 1) ? 32 : 64;
@@ -77,13 +79,13 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
 
   TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED> loader(p, b, kvh);
   const uint32_t smem_base = shared_address(smem);
-  loader.fetch(start, end);
+  loader.fetch(p, start, end);
 #pragma unroll
   for (int st = 0; st < kMultiStages - 1; ++st) {
     const int t = start + st * T::kRows;
     if (t < end) {
-      loader.issue(smem_base + st * T::kBytes, st, t, end);
-      loader.fetch(t + T::kRows, end);
+      loader.issue(p, smem_base + st * T::kBytes, st, t, end);
+      loader.fetch(p, t + T::kRows, end);
     }
     cp_async_commit();
   }
@@ -134,8 +136,8 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       const int t_issue = t0 + (kMultiStages - 1) * T::kRows;
       const int issue_stage = stage == 0 ? kMultiStages - 1 : stage - 1;
       if (t_issue < end) {
-        loader.issue(smem_base + issue_stage * T::kBytes, issue_stage, t_issue, end);
-        loader.fetch(t_issue + T::kRows, end);
+        loader.issue(p, smem_base + issue_stage * T::kBytes, issue_stage, t_issue, end);
+        loader.fetch(p, t_issue + T::kRows, end);
       }
       cp_async_commit();
     }
@@ -292,10 +294,14 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) total[mt][hr] = warp_sum_xor(l[mt][hr], 2);
-  // ---- KSPLIT: the warps of a row group merge into its first (wk == 0) ----
+  // ---- KSPLIT: the warps of a row group merge: each stores its accumulators (scaled by its
+  // V reference) and its max and sum per row in shared memory; the group's first warp (wk 0)
+  // weighs them per row and reads the weighted sums back as it stores its rows, so no warp
+  // holds two sets of accumulators at once ----
+  float4* const o_shared = reinterpret_cast<float4*>(smem);  // [warp][mt][2 kChunks][32]
+  float weight[kMT][2][KSPLIT];
   if constexpr (KSPLIT > 1) {
     __syncthreads();  // every warp is out of the loop: the pipeline's memory is free
-    float4* const o_shared = reinterpret_cast<float4*>(smem);  // [warp][mt][2 kChunks][32]
     float* const ml = reinterpret_cast<float*>(o_shared + 4 * kMT * 2 * kChunks * 32);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -313,45 +319,46 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
           ml[(warp * 2 + 1) * kWarpRows + 16 * mt + 8 * hr + g] = total[mt][hr];
         }
     __syncthreads();
-    if (wk == 0) {
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        float weight[KSPLIT][2];
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = 16 * mt + 8 * hr + g;
-          float best = kNegInf;
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = 16 * mt + 8 * hr + g;
+        float best = kNegInf;
 #pragma unroll
-          for (int j = 0; j < KSPLIT; ++j)
-            best = fmaxf(best, ml[((wr + j * kGroups) * 2) * kWarpRows + row]);
-          const float use = best == kNegInf ? 0.f : best;
-          float sum = 0.f;
+        for (int j = 0; j < KSPLIT; ++j)
+          best = fmaxf(best, ml[((wr + j * kGroups) * 2) * kWarpRows + row]);
+        const float use = best == kNegInf ? 0.f : best;
+        float sum = 0.f;
 #pragma unroll
-          for (int j = 0; j < KSPLIT; ++j) {
-            const int w = wr + j * kGroups;
-            weight[j][hr] = fast_exp2(ml[(w * 2) * kWarpRows + row] - use);
-            sum += weight[j][hr] * ml[(w * 2 + 1) * kWarpRows + row];
-          }
-          m[mt][hr] = best;
-          total[mt][hr] = sum;
+        for (int j = 0; j < KSPLIT; ++j) {
+          const int w = wr + j * kGroups;
+          weight[mt][hr][j] = fast_exp2(ml[(w * 2) * kWarpRows + row] - use);
+          sum += weight[mt][hr][j] * ml[(w * 2 + 1) * kWarpRows + row];
         }
-#pragma unroll
-        for (int n = 0; n < 2 * kChunks; ++n) {
-          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-          for (int j = 0; j < KSPLIT; ++j) {
-            const float4 v =
-                o_shared[(((wr + j * kGroups) * kMT + mt) * 2 * kChunks + n) * 32 + lane];
-            acc.x += weight[j][0] * v.x; acc.y += weight[j][0] * v.y;
-            acc.z += weight[j][1] * v.z; acc.w += weight[j][1] * v.w;
-          }
-          oacc[mt][n][0] = acc.x; oacc[mt][n][1] = acc.y;
-          oacc[mt][n][2] = acc.z; oacc[mt][n][3] = acc.w;
-        }
+        m[mt][hr] = best;
+        total[mt][hr] = sum;
       }
-      v_ref = 1.f;
-    }
+    v_ref = 1.f;
   }
+  // The merged accumulators n, n + 1 of m-block mt, row half hr (components 2 hr, 2 hr + 1).
+  auto merged = [&](int mt, int hr, int n) __attribute__((always_inline)) {
+    if constexpr (KSPLIT > 1) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);  // (n: 2hr, 2hr+1, n+1: 2hr, 2hr+1)
+#pragma unroll
+      for (int j = 0; j < KSPLIT; ++j) {
+        const float4* src = o_shared + (((wr + j * kGroups) * kMT + mt) * 2 * kChunks + n) * 32 + lane;
+        const float4 a = src[0], b = src[32];
+        const float w = weight[mt][hr][j];
+        acc.x += w * (hr ? a.z : a.x); acc.y += w * (hr ? a.w : a.y);
+        acc.z += w * (hr ? b.z : b.x); acc.w += w * (hr ? b.w : b.y);
+      }
+      return acc;
+    } else {
+      return make_float4(oacc[mt][n][2 * hr], oacc[mt][n][2 * hr + 1], oacc[mt][n + 1][2 * hr],
+                         oacc[mt][n + 1][2 * hr + 1]);
+    }
+  };
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
@@ -366,25 +373,25 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
         const float sum = total[mt][hr];
         const float lse2 = sum > 0.f ? m[mt][hr] + __log2f(sum) : kNegInf;
         const float f = sum > 0.f ? v_const * v_ref / sum : 0.f;
-        const float(*acc)[4] = oacc[mt];
         if (active == 1) {
           const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;
           const int64_t q_row = sr.q0 + token;
           const int64_t at = q_row * p.out_token_stride + head * p.out_head_stride;
 #pragma unroll
-          for (int sc = 0; sc < kChunks; ++sc)
-            store4<QT>(p.out, at + 16 * sc + 4 * c, acc[2 * sc][2 * hr] * f,
-                       acc[2 * sc + 1][2 * hr] * f, acc[2 * sc][2 * hr + 1] * f,
-                       acc[2 * sc + 1][2 * hr + 1] * f);
+          for (int sc = 0; sc < kChunks; ++sc) {  // dims 16 sc + 4c + (0, 1, 2, 3)
+            const float4 v = merged(mt, hr, 2 * sc);
+            store4<QT>(p.out, at + 16 * sc + 4 * c, v.x * f, v.z * f, v.y * f, v.w * f);
+          }
           if (p.lse != nullptr && c == 0)
             p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2 * kMultiLn2;
         } else {
           float* dst = p.partial_out + (part * kCtaRows + local) * HEAD_DIM;
 #pragma unroll
-          for (int sc = 0; sc < kChunks; ++sc)
+          for (int sc = 0; sc < kChunks; ++sc) {
+            const float4 v = merged(mt, hr, 2 * sc);
             *reinterpret_cast<float4*>(dst + 16 * sc + 4 * c) =
-                make_float4(acc[2 * sc][2 * hr] * f, acc[2 * sc + 1][2 * hr] * f,
-                            acc[2 * sc][2 * hr + 1] * f, acc[2 * sc + 1][2 * hr + 1] * f);
+                make_float4(v.x * f, v.z * f, v.y * f, v.w * f);
+          }
           if (c == 0) p.partial_lse[part * kCtaRows + local] = lse2;
         }
       }

@@ -46,92 +46,82 @@ struct MultiTile {
 // math. fp16 scales are copied as their aligned 4-byte word (cp.async has no 2-byte form) with
 // the half selected per stage by a bit (`selectors`), and widened to fp32 in place by the same
 // thread once its copies land (widen): the math reads fp32 scales.
+// The loader keeps only the sequence, the head and its page ids in registers: every base and
+// stride is read from the parameter block (constant memory) where it is used, so that the
+// loop's registers go to the accumulators (cached strides made eight variants spill).
 template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, typename ScaleT, bool PAGED>
 struct TileLoader {
   using T = MultiTile<HEAD_DIM, ROWS>;
-  const int8_t *k_base, *v_base;  // contiguous: this sequence at the KV head; paged: the pools
-  const char *ks_base, *vs_base;  //   at the KV head (bytes)
-  const int32_t* table;           // paged: this sequence's row of the block table
-  int64_t page_stride, token_stride, scale_page_stride, scale_token_stride;  // bytes
-  int shift, mask, num_pages;
-  int row0, chunk;                // this thread's first row and its chunk
-  int pages[T::kLoads];           // paged: the next tile's page of each of this thread's rows
-  int scale_page;                 //   ... and of its scale token
-  uint32_t selectors = 0;         // fp16 scales: bit `stage` set = the high half
-  bool bad = false;               // a page id out of range was met
+  static constexpr int64_t kScaleBytes = sizeof(ScaleT);
+  int b, kvh;
+  int pages[T::kLoads];    // paged: the next tile's page of each of this thread's rows
+  int scale_page;          //   ... and of its scale token
+  uint32_t selectors = 0;  // fp16 scales: bit `stage` set = the high half
+  bool bad = false;        // a page id out of range was met
 
-  __device__ __forceinline__ TileLoader(const MultiParams& p, int b, int kvh) {
-    const int64_t seq = PAGED ? 0 : b;
-    k_base = p.k_cache + seq * p.kv_batch_stride + kvh * p.kv_head_stride;
-    v_base = p.v_cache + seq * p.kv_batch_stride + kvh * p.kv_head_stride;
-    const int64_t scale = (seq * p.scale_batch_stride + kvh * p.scale_head_stride) *
-                          static_cast<int64_t>(sizeof(ScaleT));
-    ks_base = static_cast<const char*>(p.k_scale) + scale;
-    vs_base = static_cast<const char*>(p.v_scale) + scale;
-    table = PAGED ? p.block_table + b * p.table_stride : nullptr;
-    page_stride = p.kv_batch_stride;
-    token_stride = p.kv_token_stride;
-    scale_page_stride = p.scale_batch_stride * static_cast<int64_t>(sizeof(ScaleT));
-    scale_token_stride = p.scale_token_stride * static_cast<int64_t>(sizeof(ScaleT));
-    shift = p.page_shift;
-    mask = (1 << p.page_shift) - 1;
-    num_pages = p.num_pages;
-    row0 = threadIdx.x / T::kRowChunks;
-    chunk = threadIdx.x % T::kRowChunks;
-  }
+  __device__ __forceinline__ TileLoader(const MultiParams&, int b_, int kvh_)
+      : b(b_), kvh(kvh_) {}
 
-  __device__ __forceinline__ bool scale_thread() const { return threadIdx.x < 2 * T::kRows; }
+  __device__ static __forceinline__ int row0() { return threadIdx.x / T::kRowChunks; }
+  __device__ static __forceinline__ int chunk() { return threadIdx.x % T::kRowChunks; }
+  __device__ static __forceinline__ bool scale_thread() { return threadIdx.x < 2 * T::kRows; }
 
   // Paged: the page ids of the tile at t0 (rows before `end` only: the table need not reach
   // further).
-  __device__ __forceinline__ void fetch(int t0, int end) {
+  __device__ __forceinline__ void fetch(const MultiParams& p, int t0, int end) {
     if constexpr (PAGED) {
+      const int32_t* table = p.block_table + b * p.table_stride;
 #pragma unroll
       for (int i = 0; i < T::kLoads; ++i) {
-        const int t = t0 + row0 + i * T::kRowStep;
-        pages[i] = t < end ? __ldg(table + (t >> shift)) : 0;
+        const int t = t0 + row0() + i * T::kRowStep;
+        pages[i] = t < end ? __ldg(table + (t >> p.page_shift)) : 0;
       }
       const int t = t0 + static_cast<int>(threadIdx.x) % T::kRows;
-      scale_page = TOKEN_SCALES && scale_thread() && t < end ? __ldg(table + (t >> shift)) : 0;
+      scale_page = TOKEN_SCALES && scale_thread() && t < end
+                       ? __ldg(table + (t >> p.page_shift)) : 0;
     }
   }
 
-  // Byte offset of token t's row in the cache, or -1 when it is not to be read.
-  __device__ __forceinline__ int64_t row_offset(int page, int t, int end) {
+  // Byte offset of token t's row from the cache's base, or -1 when it is not to be read.
+  __device__ __forceinline__ int64_t row_offset(const MultiParams& p, int page, int t, int end) {
     if (t >= end) return -1;
+    const int64_t head = kvh * p.kv_head_stride;
     if constexpr (PAGED) {
-      if (static_cast<unsigned>(page) >= static_cast<unsigned>(num_pages)) {
+      if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
         bad = true;
         return -1;
       }
-      return page * page_stride + (t & mask) * token_stride;
+      return page * p.kv_batch_stride + head + (t & ((1 << p.page_shift) - 1)) * p.kv_token_stride;
     } else {
-      return t * token_stride;
+      return b * p.kv_batch_stride + head + t * p.kv_token_stride;
     }
   }
 
-  __device__ __forceinline__ void issue(uint32_t stage_addr, int stage, int t0, int end) {
+  __device__ __forceinline__ void issue(const MultiParams& p, uint32_t stage_addr, int stage,
+                                        int t0, int end) {
 #pragma unroll
     for (int i = 0; i < T::kLoads; ++i) {
-      const int row = row0 + i * T::kRowStep;
-      const int64_t at = row_offset(PAGED ? pages[i] : 0, t0 + row, end);
-      const int64_t src = at < 0 ? 0 : at + 16 * chunk;
+      const int row = row0() + i * T::kRowStep;
+      const int64_t at = row_offset(p, PAGED ? pages[i] : 0, t0 + row, end);
+      const int64_t src = at < 0 ? 0 : at + 16 * chunk();
       const int bytes = at < 0 ? 0 : 16;
-      cp_async_16(stage_addr + T::kK + T::offset(row, chunk), k_base + src, bytes);
-      cp_async_16(stage_addr + T::kV + T::offset(row, chunk), v_base + src, bytes);
+      cp_async_16(stage_addr + T::kK + T::offset(row, chunk()), p.k_cache + src, bytes);
+      cp_async_16(stage_addr + T::kV + T::offset(row, chunk()), p.v_cache + src, bytes);
     }
     if constexpr (TOKEN_SCALES) {
       if (scale_thread()) {
         const bool is_v = threadIdx.x >= T::kRows;
         const int r = threadIdx.x % T::kRows, t = t0 + r;
-        const char* base = is_v ? vs_base : ks_base;
-        int64_t at = -1;
+        const char* base = static_cast<const char*>(is_v ? p.v_scale : p.k_scale);
+        int64_t at = -1;  // bytes
         if (t < end) {
+          const int64_t head = kvh * p.scale_head_stride;
           if constexpr (PAGED) {
-            if (static_cast<unsigned>(scale_page) < static_cast<unsigned>(num_pages))
-              at = scale_page * scale_page_stride + (t & mask) * scale_token_stride;
+            if (static_cast<unsigned>(scale_page) < static_cast<unsigned>(p.num_pages))
+              at = (scale_page * p.scale_batch_stride + head +
+                    (t & ((1 << p.page_shift) - 1)) * p.scale_token_stride) * kScaleBytes;
           } else {
-            at = t * scale_token_stride;
+            at = (b * p.scale_batch_stride + head + t * p.scale_token_stride) * kScaleBytes;
           }
         }
         const uint32_t dst = stage_addr + (is_v ? T::kVScale : T::kKScale) + 4 * r;

@@ -59,9 +59,9 @@ def choose_splits(work: MultiWorkload, sm_count: int, ctas_per_sm: int) -> tuple
 
 
 def choose_ksplit(qo_lens: np.ndarray, group_size: int, head_dim: int) -> int:
-    """Warps per 16 query rows: when every sequence's rows of a KV head (qo_len x group) fit in
-    two warps' worth (32), the CTA's four warps share each KV tile instead of idling (4; 2 at
-    head_dim 256, whose tiles are 32 tokens); else four warps of 16 rows."""
+    """Warps per row group: when every sequence's rows of a KV head (qo_len x group) fit in 32,
+    the CTA's four warps share each KV tile instead of idling (4, CTAs of 16 rows; 2 at head_dim
+    256, whose tiles are 32 tokens, CTAs of 32 rows); else every warp takes whole tiles."""
     rows = int(qo_lens.max()) * group_size if qo_lens.size else 0
     if rows <= 32:
         return 2 if head_dim == 256 else 4

@@ -44,8 +44,9 @@ class MultiVariant:
 
     @property
     def row_blocks(self) -> int:
-        """16-row m-blocks per warp (multi.cu kMT): two, one at head_dim 256 (registers)."""
-        return 1 if self.head_dim == 256 else 2
+        """16-row m-blocks per warp (multi.cu kMT): two when each warp takes whole tiles below
+        head_dim 256, else one (registers)."""
+        return 2 if self.head_dim != 256 and self.ksplit == 1 else 1
 
     @property
     def rows_per_cta(self) -> int:
