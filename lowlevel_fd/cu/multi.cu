@@ -63,10 +63,14 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   if (split >= active) return;
   const int start = split * chunk, end = min(kv_end, start + chunk);
 
-  // This warp's rows: m-block mt holds rows w_row0 + 16 mt + g (+ 8); `blocks` of them live.
+  // This warp's rows: m-block mt holds rows w_row0 + 16 mt + g (+ 8). Contiguous caches compute
+  // every block (rows past the sequence's have zero queries and are not stored): a branch per
+  // block and mma cuts the unrolled tile into basic blocks the scheduler cannot interleave
+  // (12% of prefill, PERF_NOTES m5). Paged variants skip dead blocks: unguarded, the
+  // scheduler's extra registers next to the page ids spill.
   const int w_row0 = row0 + kWarpRows * wr;
   const bool warp_active = w_row0 < sr.rows;
-  const int blocks = warp_active ? min(kMT, (sr.rows - w_row0 + 15) / 16) : 0;
+  const int blocks = !PAGED ? kMT : warp_active ? min(kMT, (sr.rows - w_row0 + 15) / 16) : 0;
   const int warp_limit = warp_active ? sr.limit(p, min(w_row0 + kWarpRows - 1, sr.rows - 1)) : 0;
   int visible[kMT][2];  // tokens [0, visible) of this split each row sees
 #pragma unroll
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
             const uint32_t b0 = int8_pair<0x4140u>(u), b1 = int8_pair<0x4342u>(u);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
-              if (mt < blocks) mma_16x8x16(s[mt][2 * jp + i / 2], qa[mt][i % 2], b0, b1);
+              if (!PAGED || mt < blocks) mma_16x8x16(s[mt][2 * jp + i / 2], qa[mt][i % 2], b0, b1);
           }
         }
       }
@@ -240,13 +244,18 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
         for (int mt = 0; mt < kMT; ++mt) corr[mt][0] *= change, corr[mt][1] *= change;
         v_ref = new_ref;
       }
+      // Once the row maxima (and the V reference) settle, corr is 1 for the whole warp: skip.
+      bool rescale = false;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt) rescale |= corr[mt][0] != 1.f || corr[mt][1] != 1.f;
+      if (__any_sync(0xffffffffu, rescale))
 #pragma unroll
-        for (int n = 0; n < 2 * kChunks; ++n) {
-          oacc[mt][n][0] *= corr[mt][0]; oacc[mt][n][1] *= corr[mt][0];
-          oacc[mt][n][2] *= corr[mt][1]; oacc[mt][n][3] *= corr[mt][1];
-        }
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int n = 0; n < 2 * kChunks; ++n) {
+            oacc[mt][n][0] *= corr[mt][0]; oacc[mt][n][1] *= corr[mt][0];
+            oacc[mt][n][2] *= corr[mt][1]; oacc[mt][n][3] *= corr[mt][1];
+          }
       // ---- O += P V: k = 16 tokens per step, n = the even and odd dims of each chunk ----
 #pragma unroll
       for (int jt = 0; jt < kKTw; ++jt) {
@@ -275,7 +284,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
             const int n = 2 * (2 * dp + h);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
-              if (mt < blocks) {
+              if (!PAGED || mt < blocks) {
                 mma_16x8x16(oacc[mt][n], a[mt], e0, e1);
                 mma_16x8x16(oacc[mt][n + 1], a[mt], o0, o1);
               }
