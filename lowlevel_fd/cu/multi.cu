@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   // scheduler's extra registers next to the page ids spill.
   const int w_row0 = row0 + kWarpRows * wr;
   const bool warp_active = w_row0 < sr.rows;
-  const int blocks = !PAGED ? kMT : warp_active ? min(kMT, (sr.rows - w_row0 + 15) / 16) : 0;
+  const int blocks = !PAGED || kMT == 1 ? kMT  // one block: live in every active warp
+                                        : warp_active ? min(kMT, (sr.rows - w_row0 + 15) / 16) : 0;
   const int warp_limit = warp_active ? sr.limit(p, min(w_row0 + kWarpRows - 1, sr.rows - 1)) : 0;
   int visible[kMT][2];  // tokens [0, visible) of this split each row sees
 #pragma unroll
