@@ -66,6 +66,11 @@ def test_drafts_over_a_long_kv_are_split_into_runs_of_at_least_16_tiles():
     w = work([4] * 8, [4096] * 8, ksplit=4)
     splits, min_tokens = choose_splits(w, 132, 3)
     assert (splits, min_tokens) == (4, 1024)  # 4096 / 1024: one wave would want 7
+    # 8 drafts: two 16-row tiles per KV head, 128 CTAs: 3 splits fill one wave of 396, 4 would
+    # start a second
+    assert choose_splits(work([8] * 8, [4096] * 8, ksplit=4), 132, 3) == (3, 1024)
+    # beyond one wave: toward two (B=64, 4 drafts: 512 CTAs -> 2 splits)
+    assert choose_splits(work([4] * 64, [4096] * 64, ksplit=4), 132, 3)[0] == 2
     assert choose_splits(work([4] * 8, [900] * 8, ksplit=4), 132, 3)[0] == 1
     assert choose_splits(work([1], [10**6], ksplit=4), 132, 3)[0] == MAX_SPLITS
 
