@@ -8,6 +8,9 @@ is checked against the float64 oracle first. Prints a table on stdout and progre
 --json and --plot write the raw numbers and a PNG. Exits 1 if any check or workload failed.
 
     PYTHONPATH=. python3 tools/bench.py --json bench.json --plot bench.png
+
+The multi-token rows (prefill, chunked prefill, speculative verification; issue: multi-token
+attention) are tools/bench_multi.py's: `tools/bench.py --multi [its options]` runs it.
 """
 from __future__ import annotations
 
@@ -155,6 +158,9 @@ def _summary_line(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--multi"]:
+        from bench_multi import main as multi_main
+        return multi_main(argv[1:])
     args, workloads, iters = parse(argv)
     if args.dry_run:
         print(dry_run_text(workloads, args, iters))
