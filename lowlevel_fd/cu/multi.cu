@@ -52,11 +52,6 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   const int split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int wr = warp % kGroups, wk = warp / kGroups;  // row group, share of the KV tile
-  // Programmatic dependent launch (sm_90): every read comes after the previous kernel on the
-  // stream has finished (it may have written the chunk's K/V, q or the lengths); the next
-  // kernel may start launching now, so the launch gap between layers hides behind this one.
-  wait_for_previous_grid();
-  allow_next_grid();
 
   const SequenceRows sr(p, b, kCtaRows, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
   const int row0 = tile * kCtaRows;

@@ -149,11 +149,7 @@ class MultiPlan(OnCache):
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
-        # Programmatic launch on Hopper: the kernel waits for its predecessor before any read
-        # (multi.cu), so only the launch latency overlaps.
-        hopper = self.device.compute_capability >= (9, 0)
-        self._launch = kernel.prepare(
-            LaunchConfig(self._grid, THREADS, shared, programmatic=hopper), p)
+        self._launch = kernel.prepare(LaunchConfig(self._grid, THREADS, shared), p)
         self._binder.planned(batch, total_q, int(lengths.max()))
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
@@ -162,8 +158,7 @@ class MultiPlan(OnCache):
             "tile_tokens": tile_tokens(self.head_dim, ksplit),
             "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,
-            "ctas_per_sm": ctas_per_sm, "programmatic": hopper,
-            "kernel": self.variant.kernel,
+            "ctas_per_sm": ctas_per_sm, "kernel": self.variant.kernel,
         }
         return self
 
