@@ -104,6 +104,24 @@ class OnCache:
         return self.cache.head_dim
 
 
+class CreatedFromOptions:
+    """The keyword form of the attention plans' constructors (DecodePlan, MultiPlan): the
+    cache's options in place of a KVCacheSpec."""
+
+    @classmethod
+    def create(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
+               max_seq_len: int, dtype: str = "float16", kv_layout: str = "bnsh",
+               scale_mode: str = "token", scale_dtype: str = "float32",
+               rope: str | None = None, rope_theta: float = 10000.0,
+               page_size: int | None = None, sm_scale: float | None = None,
+               device: Any = None) -> Any:
+        """The keyword form: builds the KVCacheSpec from the cache options."""
+        spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
+                           rope_theta, page_size=page_size)
+        return cls(spec, num_q_heads, max_batch=max_batch,  # type: ignore[call-arg]
+                   max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale, device=device)
+
+
 def cache_spec(cache: Any) -> KVCacheSpec:
     """A plan's ``cache`` argument: a KVCacheSpec (TypeError otherwise)."""
     if not isinstance(cache, KVCacheSpec):

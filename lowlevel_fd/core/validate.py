@@ -48,6 +48,16 @@ def real(name: str, value: Any) -> float:
     return number
 
 
+def sm_scale(value: Any, head_dim: int) -> float:
+    """An attention plan's softmax scale: a finite non-zero real, 1/sqrt(head_dim) when None."""
+    if value is None:
+        return 1.0 / math.sqrt(head_dim)
+    number = real("sm_scale", value)
+    if number == 0.0:
+        raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
+    return number
+
+
 def dtype_option(name: str, value: Any, allowed: Sequence[str]) -> str:
     """A dtype given by name or as a numpy dtype, returned as the plain name that the variant
     tables are keyed by."""

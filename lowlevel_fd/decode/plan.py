@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import math
 import weakref
 from typing import Any
 
@@ -12,7 +11,7 @@ from ..core import validate as check
 from ..core.errors import ErrorWord
 from ..core.loader import load_kernels
 from ..core.resources import close_all
-from ..core.spec import KVCacheSpec, OnCache, cache_spec
+from ..core.spec import CreatedFromOptions, KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
@@ -24,7 +23,7 @@ from .variants import LENGTHS, CombineVariant, DecodeVariant, head_chunks
 _LOG2E = 1.4426950408889634
 
 
-class DecodePlan(OnCache):
+class DecodePlan(OnCache, CreatedFromOptions):
     """Decode attention (one query token per sequence) over an INT8 KV cache.
 
     ``plan(seq_lens)`` picks the launch for a batch; ``run(...)`` executes it on a stream with
@@ -45,11 +44,7 @@ class DecodePlan(OnCache):
         self.max_batch = check.positive("max_batch", max_batch)
         self.max_seq_len = check.positive("max_seq_len", max_seq_len)
         self.dtype = check.dtype_option("dtype", dtype, DTYPES)
-        if sm_scale is not None:
-            sm_scale = check.real("sm_scale", sm_scale)
-            if sm_scale == 0.0:
-                raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
-        self.sm_scale = 1.0 / math.sqrt(self.cache.head_dim) if sm_scale is None else sm_scale
+        self.sm_scale = check.sm_scale(sm_scale, self.cache.head_dim)
         self.device = check.device_option(device)
         self._binder = RunBinder(self.cache, self.num_q_heads, self.dtype, self.device,
                                  self.max_seq_len)
@@ -61,19 +56,6 @@ class DecodePlan(OnCache):
         self._generation = 0  # bumped by every plan(): PreparedCalls of older plans are stale
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, close_all, self._workspace)
-
-    @classmethod
-    def create(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
-               max_seq_len: int, dtype: str = "float16", kv_layout: str = "bnsh",
-               scale_mode: str = "token", scale_dtype: str = "float32",
-               rope: str | None = None, rope_theta: float = 10000.0,
-               page_size: int | None = None, sm_scale: float | None = None,
-               device: Device | None = None) -> "DecodePlan":
-        """The keyword form: builds the KVCacheSpec from the cache options."""
-        spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta, page_size=page_size)
-        return cls(spec, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
-                   dtype=dtype, sm_scale=sm_scale, device=device)
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Any, *, config: TileConfig | None = None,

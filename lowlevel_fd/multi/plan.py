@@ -2,7 +2,6 @@
 prefill, speculative verification). ``plan()`` does the host work; ``run()`` only launches."""
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -12,7 +11,7 @@ from ..core import validate as check
 from ..core.errors import ErrorWord
 from ..core.loader import load_kernels
 from ..core.resources import close_all
-from ..core.spec import KVCacheSpec, OnCache, cache_spec
+from ..core.spec import CreatedFromOptions, KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
@@ -60,7 +59,7 @@ def host_queries(qo_indptr: Any, seq_lens: Any, max_batch: int,
     return qo_lens, lengths
 
 
-class MultiPlan(OnCache):
+class MultiPlan(OnCache, CreatedFromOptions):
     """Attention of ``qo_len[b]`` new query tokens per sequence over the INT8 cache.
 
     Queries are packed ``[total_q, Hq, D]`` (sequence b's rows ``qo_indptr[b] ..
@@ -82,11 +81,7 @@ class MultiPlan(OnCache):
         self.max_batch = check.positive("max_batch", max_batch, MAX_GRID_Z + 1)
         self.max_seq_len = check.positive("max_seq_len", max_seq_len)
         self.dtype = check.dtype_option("dtype", dtype, DTYPES)
-        if sm_scale is not None:
-            sm_scale = check.real("sm_scale", sm_scale)
-            if sm_scale == 0.0:
-                raise ValueError("sm_scale: expected a finite non-zero scale, got 0.0")
-        self.sm_scale = 1.0 / math.sqrt(self.cache.head_dim) if sm_scale is None else sm_scale
+        self.sm_scale = check.sm_scale(sm_scale, self.cache.head_dim)
         self.device = check.device_option(device)
         self.variant = MultiVariant.planned(self.cache, self.dtype)  # set by plan()
         self._binder = MultiBinder(self.cache, self.num_q_heads, self.dtype, self.device)
@@ -96,19 +91,6 @@ class MultiPlan(OnCache):
         self._grid = (0, 0, 0)
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, close_all, self._workspace)
-
-    @classmethod
-    def create(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, *, max_batch: int,
-               max_seq_len: int, dtype: str = "float16", kv_layout: str = "bnsh",
-               scale_mode: str = "token", scale_dtype: str = "float32",
-               rope: str | None = None, rope_theta: float = 10000.0,
-               page_size: int | None = None, sm_scale: float | None = None,
-               device: Device | None = None) -> "MultiPlan":
-        """The keyword form: builds the KVCacheSpec from the cache options."""
-        spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta, page_size=page_size)
-        return cls(spec, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
-                   dtype=dtype, sm_scale=sm_scale, device=device)
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
