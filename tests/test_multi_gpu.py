@@ -126,7 +126,7 @@ def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream):
     case = MultiCase([4, 4, 4], [900, 300, 40], 32, 8, 128, capacity=1024).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
-        # 64 rows per tile (ksplit 1): room for 16 tokens x the group per sequence
+        # ksplit 1: 128 rows per tile, room for 32 tokens x the group (4) per sequence
         plan.plan(case.indptr, [1024, 1024, 1024], ksplit=1)
         with capture(stream) as graph:
             case.run(plan, stream)

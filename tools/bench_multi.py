@@ -129,59 +129,49 @@ def sampled_error(q, out, cache: Cache, qo: int, kv: int, rows: np.ndarray) -> f
     return worst / peak
 
 
+def sdpa_row(args, kind: str, qo: int, kv: int, seed: int) -> dict:
+    """One sequence attending its last ``qo`` of ``kv`` tokens (prefill: qo == kv), next to
+    SDPA on the same fp16 K/V. Prefill counts the issue's causal FLOPs (2*2*S^2*Hq*D/2) and
+    samples rows against the oracle; a chunk counts the tokens each row sees."""
+    cache = Cache(1, kv, fp16=True, seed=seed)
+    q = torch.randn((qo, HQ, D), dtype=torch.float16, device="cuda")
+    out = torch.full_like(q, float("nan"))  # rows the kernel misses stay NaN
+    lens = torch.tensor([kv], dtype=torch.int32, device="cuda")
+    indptr = torch.tensor([0, qo], dtype=torch.int32, device="cuda")
+    plan = multi_plan(1, kv).plan([0, qo], [kv])
+    ours = time_graph(lambda: run_multi(plan, q, cache, lens, indptr, out),
+                      iters=args.iters, warmup=args.warmup)
+    prefill = qo == kv
+    flops = (2 * 2 * kv * kv * HQ * D / 2 if prefill
+             else 4 * D * HQ * sum(kv - qo + i + 1 for i in range(qo)))
+    qt = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, qo, D]
+    ref = sdpa_times(qt, cache.k16, cache.v16, lower_right=not prefill, iters=args.iters,
+                     warmup=args.warmup)
+    row = {"kind": kind, "batch": 1, "qo_len": qo, "kv_len": kv, "ours": ours,
+           "tflops": flops / ours["median_us"] / 1e6, "sdpa": ref}
+    if prefill:
+        row["max_rel_error"] = sampled_error(q, out, cache, qo, kv,
+                                             np.linspace(0, qo - 1, 12).astype(int))
+    row["plan"] = plan.describe()
+    for name, t in ref.items():
+        if "median_us" in t:
+            row[f"sdpa_{name}_tflops"] = flops / t["median_us"] / 1e6
+            row[f"ratio_to_{name}"] = ours["median_us"] / t["median_us"]
+    plan.close()
+    return row
+
+
 def prefill_rows(args, rows: list) -> None:
     for S in args.prefill:
-        cache = Cache(1, S, fp16=True, seed=S)
-        q = torch.randn((S, HQ, D), dtype=torch.float16, device="cuda")
-        out = torch.empty_like(q)
-        lens = torch.tensor([S], dtype=torch.int32, device="cuda")
-        indptr = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-        plan = multi_plan(1, S).plan([0, S], [S])
-        ours = time_graph(lambda: run_multi(plan, q, cache, lens, indptr, out),
-                          iters=args.iters, warmup=args.warmup)
-        flops = 2 * 2 * S * S * HQ * D / 2
-        qt = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, S, D]
-        ref = sdpa_times(qt, cache.k16, cache.v16, lower_right=False, iters=args.iters,
-                         warmup=args.warmup)
-        picks = np.linspace(0, S - 1, 12).astype(int)
-        error = sampled_error(q, out, cache, S, S, picks)
-        row = {"kind": "prefill", "batch": 1, "qo_len": S, "kv_len": S, "ours": ours,
-               "tflops": flops / ours["median_us"] / 1e6, "sdpa": ref, "max_rel_error": error,
-               "plan": plan.describe()}
-        for name, t in ref.items():
-            if "median_us" in t:
-                row[f"sdpa_{name}_tflops"] = flops / t["median_us"] / 1e6
-                row[f"ratio_to_{name}"] = ours["median_us"] / t["median_us"]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
-        plan.close()
+        rows.append(sdpa_row(args, "prefill", S, S, seed=S))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "plan"}), flush=True)
 
 
 def chunk_rows(args, rows: list) -> None:
     chunk = 2048
     for prefix in args.prefix:
-        kv = prefix + chunk
-        cache = Cache(1, kv, fp16=True, seed=prefix)
-        q = torch.randn((chunk, HQ, D), dtype=torch.float16, device="cuda")
-        out = torch.empty_like(q)
-        lens = torch.tensor([kv], dtype=torch.int32, device="cuda")
-        indptr = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-        plan = multi_plan(1, kv).plan([0, chunk], [kv])
-        ours = time_graph(lambda: run_multi(plan, q, cache, lens, indptr, out),
-                          iters=args.iters, warmup=args.warmup)
-        qt = q.transpose(0, 1).unsqueeze(0).contiguous()
-        ref = sdpa_times(qt, cache.k16, cache.v16, lower_right=True, iters=args.iters,
-                         warmup=args.warmup)
-        flops = 4 * D * HQ * sum(prefix + i + 1 for i in range(chunk))
-        row = {"kind": "chunk", "batch": 1, "qo_len": chunk, "kv_len": kv, "ours": ours,
-               "tflops": flops / ours["median_us"] / 1e6, "sdpa": ref,
-               "plan": plan.describe()}
-        for name, t in ref.items():
-            if "median_us" in t:
-                row[f"ratio_to_{name}"] = ours["median_us"] / t["median_us"]
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
-        plan.close()
+        rows.append(sdpa_row(args, "chunk", chunk, prefix + chunk, seed=prefix))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "plan"}), flush=True)
 
 
 def verify_rows(args, rows: list) -> None:

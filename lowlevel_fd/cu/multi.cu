@@ -3,9 +3,10 @@
 //
 // Grid (64-row tile x KV head, split, sequence). A KV head's query rows are packed token-major
 // (row r: token r / group, query head r % group), so every K/V tile a CTA loads serves all the
-// heads of its group and all the chunk's tokens in the tile. Four warps own 16 rows each (the
-// mma's M); the CTA streams K/V tiles through a cp.async pipeline (multi_tiles.cuh) shared by
-// its warps, converts int8 to fp16 in registers, and keeps an online softmax per row:
+// heads of its group and all the chunk's tokens in the tile. Each of four warps owns one or two
+// 16-row blocks (the mma's M), or shares a row block with the other warps (KSPLIT, below); the
+// CTA streams K/V tiles through a cp.async pipeline (multi_tiles.cuh) shared by its warps,
+// converts int8 to fp16 in registers, and keeps an online softmax per row:
 //  * per-tensor / per-head K scales and sm_scale fold into each row's score scale, per-token K
 //    scales multiply the score columns; per-token V scales fold into P relative to the largest
 //    V scale seen (P stays in [0, 1]), the output is rescaled when that reference grows;
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       visible[mt][hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
     }
 
-  TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED> loader(p, b, kvh);
+  TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED> loader(b, kvh);
   const uint32_t smem_base = shared_address(smem);
   loader.fetch(p, start, end);
 #pragma unroll
@@ -100,13 +101,11 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   // m-blocks, they would push the kernel into spills.
   uint4* const q_shared = reinterpret_cast<uint4*>(smem + kMultiStages * T::kBytes) +
                           warp * kMT * kChunks * 32;
+  // Per-tensor / per-head scales (rows.cuh); per-token ones are applied per score column.
   float k_const = p.score_scale_log2, v_const = 1.f;
-  if constexpr (SCALE_MODE == kScalePerTensor) {
-    k_const *= __ldg(static_cast<const float*>(p.k_scale));
-    v_const = __ldg(static_cast<const float*>(p.v_scale));
-  } else if constexpr (SCALE_MODE == kScalePerHead) {
-    k_const *= __ldg(static_cast<const float*>(p.k_scale) + kvh);
-    v_const = __ldg(static_cast<const float*>(p.v_scale) + kvh);
+  if constexpr (!kTokenScales) {
+    k_const *= given_scale<SCALE_MODE>(p.k_scale, kvh);
+    v_const = given_scale<SCALE_MODE>(p.v_scale, kvh);
   }
   float row_const[kMT][2];
 #pragma unroll

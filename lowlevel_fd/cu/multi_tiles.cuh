@@ -59,8 +59,7 @@ struct TileLoader {
   uint32_t selectors = 0;  // fp16 scales: bit `stage` set = the high half
   bool bad = false;        // a page id out of range was met
 
-  __device__ __forceinline__ TileLoader(const MultiParams&, int b_, int kvh_)
-      : b(b_), kvh(kvh_) {}
+  __device__ __forceinline__ TileLoader(int b_, int kvh_) : b(b_), kvh(kvh_) {}
 
   __device__ static __forceinline__ int row0() { return threadIdx.x / T::kRowChunks; }
   __device__ static __forceinline__ int chunk() { return threadIdx.x % T::kRowChunks; }
