@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from stand_ins import DEVICE, fake
 
-from lowlevel_fd import KVCacheSpec
+from lowlevel_fd import KVCacheSpec, MultiPlan
 from lowlevel_fd.core import support
 from lowlevel_fd.multi import MultiVariant, MultiWorkload, choose_splits, shipped_variants
 from lowlevel_fd.multi.bind import MultiBinder
@@ -47,6 +47,49 @@ def test_host_queries_accept_empty_rows_and_return_the_lengths():
 def test_host_queries_want_host_arrays():
     with pytest.raises(TypeError, match=r"^qo_indptr: plan\(\) needs the host copy"):
         host_queries(fake((3,), "int32"), [1, 1], 4, 8192)
+
+
+# -- the constructor and plan()'s options: checked before anything is compiled or loaded ----
+@pytest.mark.parametrize("options, error, message", [
+    ({"max_batch": 0}, ValueError, r"^max_batch: expected an int in \[1, 65536\), got 0$"),
+    ({"max_batch": 70000}, ValueError,
+     r"^max_batch: expected an int in \[1, 65536\), got 70000$"),  # the batch is grid.z
+    ({"sm_scale": 0.0}, ValueError, r"^sm_scale: expected a finite non-zero scale, got 0.0$"),
+    ({"dtype": "float32"}, ValueError,
+     r"^dtype: expected one of \['float16', 'bfloat16'\], got 'float32'$"),
+    ({"num_q_heads": 30}, ValueError, r"^num_q_heads: expected a multiple of num_kv_heads=8"),
+])
+def test_constructor_rejects_bad_options(options, error, message):
+    options = {"max_batch": 2, "max_seq_len": 64, "device": DEVICE} | options
+    with pytest.raises(error, match=message):
+        MultiPlan.create(options.pop("num_q_heads", 32), 8, 128, **options)
+
+
+def test_constructor_takes_a_spec():
+    with pytest.raises(TypeError, match=r"^cache: expected a KVCacheSpec, got str 'x'$"):
+        MultiPlan("x", 32, max_batch=2, max_seq_len=64, device=DEVICE)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"causal": 1}, TypeError, r"^causal: expected a bool, got int 1$"),
+    ({"num_splits": 0}, ValueError, r"^num_splits: expected an int in \[1, 33\), got 0$"),
+    ({"num_splits": 33}, ValueError, r"^num_splits: expected an int in \[1, 33\), got 33$"),
+    ({"ksplit": 3}, ValueError, r"^ksplit: expected one of \(1, 4\) at head_dim 128, got 3$"),
+])
+def test_plan_rejects_bad_options_before_loading(options, error, message):
+    # A stand-in device: reaching the compiler or the driver would fail differently.
+    plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=DEVICE)
+    with pytest.raises(error, match=message):
+        plan.plan([0, 2], [5], **options)
+
+
+def test_run_needs_a_plan_and_an_open_plan():
+    plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=DEVICE)
+    with pytest.raises(RuntimeError, match=r"^run: call plan\(qo_indptr, seq_lens\) first$"):
+        plan.run(*[None] * 8, stream=0)
+    plan.close()
+    with pytest.raises(RuntimeError, match=r"^MultiPlan is closed$"):
+        plan.plan([0, 2], [5])
 
 
 # -- the planner -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
 from .bind import MultiBinder
 from .params import MultiParams
-from .planner import MultiWorkload, choose_ksplit, choose_splits
+from .planner import MAX_SPLITS, MultiWorkload, choose_ksplit, choose_splits
 from .variants import THREADS, MultiVariant, ksplits, tile_tokens
 
 _LOG2E = 1.4426950408889634
@@ -101,6 +101,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
         its warps per 16 query rows (see ``ksplits``)."""
         self._require_open()
         check.flag("causal", causal)
+        if num_splits is not None:  # checked before anything is compiled or loaded
+            num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
         if ksplit is None:
             ksplit = choose_ksplit(qo_lens, self.group_size, self.head_dim)
@@ -116,7 +118,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         ctas_per_sm = kernel.occupancy(THREADS, shared)
         splits, min_tokens = choose_splits(work, self.device.sm_count, ctas_per_sm)
         if num_splits is not None:
-            splits = check.positive("num_splits", num_splits, 33)
+            splits = num_splits
         batch, total_q, tiles = int(qo_lens.size), int(qo_lens.sum()), work.max_tiles
         slots = batch * self.num_kv_heads * tiles
         rows = self.variant.rows_per_cta
