@@ -14,6 +14,7 @@ from .decode import DecodePlan, TileConfig
 from .driver import (CudaError, Device, DeviceArray, Event, Graph, Stream, as_device_array,
                      capture, gpu_available)
 from .multi import MultiPlan
+from .quant import hadamard
 from .step import DecodeStep, LayerBuffers
 
 __version__ = "0.2.0"
@@ -22,4 +23,5 @@ __all__ = ["AppendPlan", "CompileError", "CudaError", "DecodePlan", "DecodeStep"
            "ERROR_QUERY_RANGE", "MultiPlan",
            "Event", "Graph",
            "KVCacheSpec", "LayerBuffers", "PromptQuantizer", "Stream", "TileConfig",
-           "__version__", "as_device_array", "capture", "gpu_available", "quantize_prompt"]
+           "__version__", "as_device_array", "capture", "gpu_available", "hadamard",
+           "quantize_prompt"]

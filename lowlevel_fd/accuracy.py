@@ -16,6 +16,10 @@ temperature keeps them: the kinds then differ only in what the quantizer sees. (
 20x channels alone make the softmax nearly one-hot, and the few tokens it picks are the ones
 with the largest outliers, whose per-token scales are as coarse as the per-tensor one.)
 
+``token-fp32-hadamard`` is ``token-fp32`` with ``key_transform="hadamard"``: K stored as
+``H k`` and q multiplied by H alike (scores unchanged), so an outlier channel is spread over
+the whole row before the per-token scale is taken.
+
 max|out-ref|/max|ref| is one element's error, so it is noisy between seeds; the mean and L2
 errors are the stable comparison between modes.
 """
@@ -26,12 +30,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .quant import quantize_cache
+from .quant import hadamard_rows, quantize_cache
 from .reference import attention_ref_fp, decode_attention_ref
 
 # Table name -> (scale_mode, scale_dtype), in the order the table lists them.
 SCALE_MODES = {"tensor": ("tensor", "float32"), "head": ("head", "float32"),
-               "token-fp32": ("token", "float32"), "token-fp16": ("token", "float16")}
+               "token-fp32": ("token", "float32"), "token-fp16": ("token", "float16"),
+               "token-fp32-hadamard": ("token", "float32")}
 DATA_KINDS = ("gaussian", "outliers")
 
 
@@ -102,11 +107,24 @@ def quantized_output(data: Data, mode: str) -> np.ndarray:
     if mode not in SCALE_MODES:
         raise ValueError(f"mode: expected one of {list(SCALE_MODES)}, got {mode!r}")
     scale_mode, scale_dtype = SCALE_MODES[mode]
-    k8, k_scale = quantize_cache(data.k, scale_mode, scale_dtype=scale_dtype)
+    q, k = data.q, data.k
+    if key_transform(mode) == "hadamard":  # q rounded to fp16 after H, as a caller passes it
+        q, k = transformed_query(q), hadamard_rows(k)
+    k8, k_scale = quantize_cache(k, scale_mode, scale_dtype=scale_dtype)
     v8, v_scale = quantize_cache(data.v, scale_mode, scale_dtype=scale_dtype)
-    out, _ = decode_attention_ref(data.q, k8, v8, k_scale, v_scale, data.seq_lens,
+    out, _ = decode_attention_ref(q, k8, v8, k_scale, v_scale, data.seq_lens,
                                   scale_mode=scale_mode)
     return out
+
+
+def key_transform(mode: str) -> str:
+    """The KVCacheSpec key_transform of a table mode."""
+    return "hadamard" if mode.endswith("-hadamard") else "none"
+
+
+def transformed_query(q: np.ndarray) -> np.ndarray:
+    """fp16 ``q @ H``: the query a caller passes for a Hadamard-key cache."""
+    return hadamard_rows(q.astype(np.float32)).astype(np.float16)
 
 
 def errors(out: np.ndarray, ref: np.ndarray, *, data: str, mode: str,

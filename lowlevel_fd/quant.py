@@ -139,3 +139,35 @@ def quantize_cache(
     else:
         broadcast_scale = static_scale[None, None, :, None]
     return quantize_with_scale(x32, broadcast_scale), static_scale
+
+
+# -- key transform ----------------------------------------------------------------------------
+_HADAMARD_NORM = {64: np.float32(0.125), 128: np.float32(0.08838834764831845),
+                  256: np.float32(0.0625)}  # 1/sqrt(D) rounded to fp32, as cu/rows.cuh
+
+
+def hadamard_rows(x: np.ndarray) -> np.ndarray:
+    """``x [..., D] @ H`` in float32, as the kernels compute it (cu/rows.cuh hadamard_row):
+    butterflies over the index bits from the lowest, then one product by 1/sqrt(D). H is the
+    normalized Sylvester-Hadamard matrix (``hadamard``), symmetric: ``x @ H == (H @ x.T).T``."""
+    y = np.array(x, dtype=np.float32, copy=True)
+    head_dim = y.shape[-1]
+    if head_dim not in _HADAMARD_NORM:
+        raise ValueError(f"x: expected a last dimension in {sorted(_HADAMARD_NORM)}, got "
+                         f"{head_dim}")
+    lead = y.shape[:-1]
+    bit = 1
+    while bit < head_dim:
+        pairs = y.reshape(*lead, head_dim // (2 * bit), 2, bit)
+        low, high = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :], pairs[..., 1, :] = low + high, low - high
+        bit *= 2
+    return y * _HADAMARD_NORM[head_dim]
+
+
+def hadamard(head_dim: int) -> np.ndarray:
+    """The normalized Sylvester-Hadamard matrix of order ``head_dim`` (64, 128 or 256) as
+    float32: entry (i, j) is ``(-1) ** popcount(i & j) / sqrt(head_dim)``. A cache with
+    ``key_transform="hadamard"`` stores ``H @ RoPE(k)``; pass ``RoPE(q) @ H`` where the caller
+    rotates q itself (``DecodePlan.run``, ``MultiPlan.run(rotate_q=False)``)."""
+    return hadamard_rows(np.eye(int(head_dim), dtype=np.float32))

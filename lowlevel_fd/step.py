@@ -126,12 +126,13 @@ class DecodeStep:
                max_batch: int, max_seq_len: int, dtype: str = "float16",
                kv_layout: str = "bnsh", scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
-               page_size: int | None = None, sm_scale: float | None = None,
+               page_size: int | None = None, key_transform: str = "none",
+               sm_scale: float | None = None,
                fused: bool = True, early_reads: bool = True,
                device: Device | None = None) -> "DecodeStep":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta, page_size=page_size)
+                           rope_theta, page_size=page_size, key_transform=key_transform)
         return cls(spec, num_layers, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
                    dtype=dtype, sm_scale=sm_scale, fused=fused, early_reads=early_reads,
                    device=device)

@@ -458,7 +458,7 @@ DECODE_PARAMS_LAYOUT = (
        ("capacity", ctypes.c_int32, 184), ("fused_merge", ctypes.c_int32, 188),
        ("append", ctypes.c_int32, 192), ("rope", ctypes.c_int32, 196),
        ("rope_theta", ctypes.c_float, 200), ("cluster_slots_offset", ctypes.c_int32, 204),
-       ("early_reads", ctypes.c_int32, 208),
+       ("early_reads", ctypes.c_int32, 208), ("key_transform", ctypes.c_int32, 212),
        ("k_new", ctypes.c_uint64, 216), ("v_new", ctypes.c_uint64, 224),
        ("cos_sin", ctypes.c_uint64, 232),
        ("k_new_batch_stride", ctypes.c_int64, 240), ("k_new_head_stride", ctypes.c_int64, 248),

@@ -14,6 +14,7 @@ from lowlevel_fd.append import AppendPlan
 from lowlevel_fd.append.reference import append_ref
 from lowlevel_fd.decode import TileConfig
 from lowlevel_fd.driver import DeviceArray, dtypes
+from lowlevel_fd.quant import hadamard_rows
 from lowlevel_fd.reference import decode_attention_ref, rope_table
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,8 @@ class Fused:
     """One append_and_run call: host mirror, device buffers, the plan."""
 
     def __init__(self, rng, positions, *, capacity=CAPACITY, rope=None, table=False,
-                 num_q_heads=32, num_kv_heads=8, head_dim=128, **options):
+                 num_q_heads=32, num_kv_heads=8, head_dim=128, key_transform="none",
+                 **options):
         self.case = Case.random(rng, positions, capacity=capacity, num_q_heads=num_q_heads,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim, **options)
         c, qt = self.case, dtypes.as_dtype(self.case.dtype)
@@ -38,7 +40,8 @@ class Fused:
         self.rope = rope
         self.table = rope_table(capacity, head_dim, THETA) if table else None
         self.positions = np.asarray(positions, np.int64)
-        self.plan = c.make_plan(rope=rope, rope_theta=THETA)
+        self.key_transform = key_transform
+        self.plan = c.make_plan(rope=rope, rope_theta=THETA, key_transform=key_transform)
         self.device = c.upload()
         self.device["k_new"] = DeviceArray.from_numpy(self.k_new)
         self.device["v_new"] = DeviceArray.from_numpy(self.v_new)
@@ -76,7 +79,7 @@ class Fused:
                            self.positions.copy(), self.k_new, self.v_new,
                            kv_layout=c.kv_layout, scale_mode=c.scale_mode,
                            scale_dtype=scale_dtype, rope=self.rope, cos_sin=self.table,
-                           theta=THETA, q=h["q"])
+                           theta=THETA, q=h["q"], key_transform=self.key_transform)
         # The kernel rounds the rotated query once to the query dtype, as append_token does.
         q_used = q_rot.astype(dtypes.as_dtype(c.dtype)).astype(np.float32)
         out, lse = decode_attention_ref(q_used, mirror["k"], mirror["v"], mirror["k_scale"],
@@ -136,6 +139,24 @@ def test_append_and_run_matches_the_oracle(rng, stream, head_dim, hq, hkv, kv_la
     fused.plan.close()
 
 
+@pytest.mark.parametrize("head_dim, hq, hkv, kv_layout, scale_mode, scale_dtype, dtype, rope, "
+                         "table", MATRIX[::2])
+def test_append_and_run_with_hadamard_keys_matches_the_oracle(
+        rng, stream, head_dim, hq, hkv, kv_layout, scale_mode, scale_dtype, dtype, rope, table):
+    """key_transform="hadamard": K written as H RoPE(k) (bit-exact with quant.hadamard_rows
+    without RoPE), q rotated and transformed in the kernel when the spec has RoPE."""
+    fused = Fused(rng, POSITIONS, rope=rope, table=table, num_q_heads=hq, num_kv_heads=hkv,
+                  head_dim=head_dim, kv_layout=kv_layout, scale_mode=scale_mode,
+                  scale_dtype=scale_dtype, dtype=dtype, key_transform="hadamard")
+    if not rope:  # the kernel leaves q alone: the caller passes it transformed
+        q = fused.case.host["q"]
+        fused.case.host["q"] = hadamard_rows(q).astype(q.dtype)
+        fused.device["q"] = DeviceArray.from_numpy(fused.case.host["q"])
+    fused.check(*fused.run(stream))
+    assert fused.plan.error_flags(stream=stream) == 0
+    fused.plan.close()
+
+
 CONFIGS = {
     "cluster s8": TileConfig(num_warps=8, num_splits=8, min_split_tokens=128, cluster=True),
     "two tiles s8": TileConfig(num_warps=8, num_splits=8, min_split_tokens=256, cluster=True,
@@ -168,28 +189,33 @@ def test_positions_outside_the_cache_write_nothing_and_raise_the_flag(rng, strea
     fused.plan.close()
 
 
-@pytest.mark.parametrize("kv_layout, scale_mode, scale_dtype, rope, table", [
-    ("bnsh", "token", "float32", "neox", False),
-    ("bsnh", "token", "float16", "gptj", True),
-    ("bnsh", "tensor", "float32", None, False),
+@pytest.mark.parametrize("kv_layout, scale_mode, scale_dtype, rope, table, key_transform", [
+    ("bnsh", "token", "float32", "neox", False, "none"),
+    ("bsnh", "token", "float16", "gptj", True, "none"),
+    ("bnsh", "tensor", "float32", None, False, "none"),
+    ("bnsh", "token", "float32", "neox", True, "hadamard"),
+    ("bsnh", "head", "float32", None, False, "hadamard"),
 ])
 def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_mode,
-                                                  scale_dtype, rope, table):
+                                                  scale_dtype, rope, table, key_transform):
     """Same rows.cuh math in both kernels: identical K, V and scale bytes; outputs agree."""
     fused = Fused(rng, [7, 300, 2048], rope=rope, table=table, kv_layout=kv_layout,
-                  scale_mode=scale_mode, scale_dtype=scale_dtype)
+                  scale_mode=scale_mode, scale_dtype=scale_dtype, key_transform=key_transform)
     c, d = fused.case, fused.device
     copies = {name: DeviceArray.from_numpy(c.host[name]) for name in ("k", "v", "k_scale",
                                                                        "v_scale", "q")}
     out, _ = fused.run(stream)
     with AppendPlan.create(c.num_q_heads, c.num_kv_heads, c.head_dim, max_batch=c.batch,
                            kv_layout=kv_layout, scale_mode=scale_mode, scale_dtype=scale_dtype,
-                           rope=rope, rope_theta=THETA) as append:
+                           rope=rope, rope_theta=THETA, key_transform=key_transform) as append:
         positions = DeviceArray.from_numpy(c.host["seq_lens"])
         append.run(d["k_new"], d["v_new"], copies["k"], copies["v"], copies["k_scale"],
                    copies["v_scale"], positions, q=copies["q"] if rope else None,
                    cos_sin=d["cos_sin"], advance=True, stream=stream)
         unfused = DeviceArray.empty(d["out"].shape, d["out"].dtype)
+        if key_transform != "none" and not rope:  # append rotates (and transforms) q only
+            copies["q"] = DeviceArray.from_numpy(   # with RoPE: without, the caller does
+                hadamard_rows(c.host["q"]).astype(c.host["q"].dtype))
         fused.plan.run(copies["q"], copies["k"], copies["v"], copies["k_scale"],
                        copies["v_scale"], positions, unfused, stream=stream)
         stream.synchronize()

@@ -189,13 +189,16 @@ def test_bad_page_ids_are_never_read(rng, stream):
         assert np.isfinite(d["out"].numpy()).all()
 
 
-def test_chunked_prefill_end_to_end_writes_the_append_bytes(rng, stream):
+@pytest.mark.parametrize("key_transform, D", [("none", 128), ("hadamard", 128),
+                                               ("hadamard", 64), ("hadamard", 256)])
+def test_chunked_prefill_end_to_end_writes_the_append_bytes(rng, stream, key_transform, D):
     """A prompt written in two chunks by PromptQuantizer(starts=) holds the bytes AppendPlan
-    writes token by token (RoPE neox, per-token scales); MultiPlan over the second chunk, with
-    q rotated in the kernel, matches the oracle over that cache."""
+    writes token by token (RoPE neox, per-token scales; keys Hadamard-transformed or not);
+    MultiPlan over the second chunk, with q rotated (and transformed) in the kernel, matches
+    the oracle over that cache."""
     from lowlevel_fd import AppendPlan, PromptQuantizer
     from lowlevel_fd.driver import dtypes
-    B, HKV, HQ, D, S = 2, 2, 8, 128, 96
+    B, HKV, HQ, S = 2, 2, 8, 96
     lens = np.array([80, 45], np.int32)
     first = np.array([33, 16], np.int32)  # the first chunk; the second is the rest
     qt = dtypes.as_dtype("float16")
@@ -209,7 +212,8 @@ def test_chunked_prefill_end_to_end_writes_the_append_bytes(rng, stream):
                 "v_scale": DeviceArray.from_numpy(np.zeros((B, HKV, S), np.float32))}
     names = ("k_cache", "v_cache", "k_scale", "v_scale")
     chunked, appended = empty(), empty()
-    quantizer = PromptQuantizer.create(HKV, D, max_batch=B, rope="neox")
+    quantizer = PromptQuantizer.create(HKV, D, max_batch=B, rope="neox",
+                                       key_transform=key_transform)
     cached = DeviceArray.from_numpy(np.zeros(B, np.int32))
     for start, count in ((np.zeros(B, np.int32), first), (first, lens - first)):
         part_k, part_v = np.zeros_like(k), np.zeros_like(v)
@@ -221,7 +225,8 @@ def test_chunked_prefill_end_to_end_writes_the_append_bytes(rng, stream):
                       starts=DeviceArray.from_numpy(start), seq_lens_out=cached,
                       stream=stream)
         stream.synchronize()
-    appender = AppendPlan.create(HQ, HKV, D, max_batch=B, rope="neox")
+    appender = AppendPlan.create(HQ, HKV, D, max_batch=B, rope="neox",
+                                 key_transform=key_transform)
     positions = DeviceArray.from_numpy(np.zeros(B, np.int32))
     for t in range(int(lens.max())):
         # a finished sequence's position is past the cache: nothing written (flagged)
@@ -243,9 +248,16 @@ def test_chunked_prefill_end_to_end_writes_the_append_bytes(rng, stream):
         case.host[n] = chunked[n].numpy()
     d = case.upload(rng)
     positions_q = np.concatenate([np.arange(first[b], lens[b]) for b in range(B)])
-    with case.make_plan(rope="neox") as plan:
+    q_ref = rotate(case.host["q"], positions_q, "neox", key_transform=key_transform)
+    with case.make_plan(rope="neox", key_transform=key_transform) as plan:
         plan.plan(case.indptr, case.kv_lens)
         case.run(plan, stream, rotate_q=True)
         stream.synchronize()
-        check(case, q=rotate(case.host["q"], positions_q, "neox"))
+        check(case, q=q_ref)
         assert d["out"].numpy().shape == (case.total_q, HQ, D)
+        # rotate_q=False: the caller passes q rotated and transformed (as fp16), same result
+        rotated = DeviceArray.from_numpy(q_ref.astype(case.host["q"].dtype))
+        plan.run(rotated, *(d[n] for n in names), d["seq_lens"], d["qo_indptr"], d["out"],
+                 lse=d["lse"], stream=stream)
+        stream.synchronize()
+        check(case, q=q_ref)

@@ -9,6 +9,8 @@ import pytest
 from lowlevel_fd.quant import (
     QMAX,
     calibrate_scales,
+    hadamard,
+    hadamard_rows,
     quantize_cache,
     quantize_per_token_head,
     quantize_with_scale,
@@ -247,3 +249,43 @@ def test_quantize_cache_uses_given_head_scales():
 def test_quantize_cache_errors(mode, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         quantize_cache(float_cache(18, "bnsh"), mode, **kwargs)
+
+
+# -- the key transform ---------------------------------------------------------------------------
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hadamard_is_the_normalized_sylvester_matrix(head_dim):
+    index = np.arange(head_dim)
+    signs = np.array([[(-1.0) ** bin(i & j).count("1") for j in index] for i in index])
+    h = hadamard(head_dim)
+    assert h.dtype == np.float32
+    np.testing.assert_allclose(h, signs / np.sqrt(head_dim), rtol=1e-7, atol=0)
+    np.testing.assert_allclose(h.astype(np.float64) @ h, np.eye(head_dim), atol=1e-6)
+    np.testing.assert_array_equal(h, h.T)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hadamard_rows_is_the_fp32_butterfly(head_dim):
+    """Bit for bit the kernels' order: butterflies over the index bits from the lowest, each a
+    rounded fp32 sum or difference, then one fp32 product by 1/sqrt(D)."""
+    x = np.random.default_rng(3).standard_normal((4, 3, head_dim)).astype(np.float32)
+    y = x.copy()
+    bit = 1
+    while bit < head_dim:
+        for i in range(head_dim):
+            if not i & bit:
+                a, b = y[..., i].copy(), y[..., i | bit].copy()
+                y[..., i], y[..., i | bit] = a + b, a - b
+        bit *= 2
+    expected = y * np.float32(1.0 / np.sqrt(head_dim))
+    got = hadamard_rows(x)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(x, np.random.default_rng(3).standard_normal(
+        (4, 3, head_dim)).astype(np.float32))  # the input is not modified
+    np.testing.assert_allclose(got, x @ hadamard(head_dim), atol=1e-5)
+
+
+def test_hadamard_rows_rejects_other_head_dims():
+    with pytest.raises(ValueError, match=r"^x: expected a last dimension in \[64, 128, 256\], "
+                                         r"got 32$"):
+        hadamard_rows(np.zeros((2, 32), np.float32))

@@ -28,7 +28,7 @@ def make_plan(**overrides) -> DecodePlan:
 def test_spec_defaults():
     spec = KVCacheSpec(HKV, D)
     assert dataclasses.astuple(spec) == (HKV, D, "bnsh", "token", "float32", None, 10000.0,
-                                         "int8", None)
+                                         "int8", None, "none")
     assert spec.token_scales and spec.scale_storage == "float"
 
 
@@ -105,6 +105,11 @@ def test_spec_defaults():
     ({"page_size": 16}, ValueError,
      r"^page_size: kv_layout='bnsh' is contiguous; expected None \(or a paged layout "
      r"\['nhd', 'hnd'\]\), got 16$"),
+    # key_transform: "none" or "hadamard"
+    ({"key_transform": "walsh"}, ValueError,
+     r"^key_transform: expected one of \['none', 'hadamard'\], got 'walsh'$"),
+    ({"key_transform": None}, ValueError,
+     r"^key_transform: expected one of \['none', 'hadamard'\], got None$"),
 ])
 def test_spec_rejects_every_field_naming_it(fields, error, message):
     arguments = {"num_kv_heads": HKV, "head_dim": D} | fields

@@ -48,6 +48,7 @@ def gpu_output(data: Data, mode: str, device, stream) -> np.ndarray:
     """Quantize tokens 0..S-2 with PromptQuantizer, append token S-1 with AppendPlan (advance),
     attend with DecodePlan; returns the fp16 output as float64 ``[B, Hq, D]``."""
     from lowlevel_fd import AppendPlan, DecodePlan, DeviceArray, KVCacheSpec, PromptQuantizer
+    from lowlevel_fd.accuracy import key_transform, transformed_query
     from lowlevel_fd.quant import calibrate_scales
 
     scale_mode, scale_dtype = SCALE_MODES[mode]
@@ -64,9 +65,10 @@ def gpu_output(data: Data, mode: str, device, stream) -> np.ndarray:
         return owned[-1]
 
     cache = KVCacheSpec(Hkv, D, kv_layout="bnsh", scale_mode=scale_mode,
-                        scale_dtype=scale_dtype)
+                        scale_dtype=scale_dtype, key_transform=key_transform(mode))
     try:
-        k, v, q = upload(data.k), upload(data.v), upload(data.q)
+        k, v = upload(data.k), upload(data.v)
+        q = upload(data.q if key_transform(mode) == "none" else transformed_query(data.q))
         caches = [empty((B, Hkv, S, D), np.int8) for _ in range(2)]
         if scale_mode == "token":
             scales = [empty((B, Hkv, S), np.dtype(scale_dtype)) for _ in range(2)]

@@ -21,7 +21,8 @@ class AppendParams(ctypes.Structure):
                 + [("rope_theta", ctypes.c_float)]
                 + [(name, ctypes.c_int32) for name in _INTS]
                 + PAGE_FIELDS
-                + [("starts", ctypes.c_uint64)])  # prompt chunks: first positions, or null
+                + [("starts", ctypes.c_uint64),  # prompt chunks: first positions, or null
+                   ("key_transform", ctypes.c_int32)])
 
 
-assert ctypes.sizeof(AppendParams) == 280, "must match sizeof(llfd::AppendParams)"
+assert ctypes.sizeof(AppendParams) == 288, "must match sizeof(llfd::AppendParams)"

@@ -41,10 +41,11 @@ class AppendPlan(KernelRunner):
                dtype: str = "float16", kv_layout: str = "bnsh", scale_mode: str = "token",
                scale_dtype: str = "float32", rope: str | None = None,
                rope_theta: float = 10000.0, page_size: int | None = None,
+               key_transform: str = "none",
                device: Device | None = None) -> "AppendPlan":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta, page_size=page_size)
+                           rope_theta, page_size=page_size, key_transform=key_transform)
         return cls(spec, num_q_heads, max_batch=max_batch, dtype=dtype, device=device)
 
     def run(self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, k_scale: Any,

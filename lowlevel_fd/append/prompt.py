@@ -40,11 +40,11 @@ class PromptQuantizer(KernelRunner):
                prompt_layout: str = "bsnh", dtype: str = "float16", kv_layout: str = "bnsh",
                scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
-               page_size: int | None = None,
+               page_size: int | None = None, key_transform: str = "none",
                device: Device | None = None) -> "PromptQuantizer":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta, page_size=page_size)
+                           rope_theta, page_size=page_size, key_transform=key_transform)
         return cls(spec, max_batch=max_batch, prompt_layout=prompt_layout, dtype=dtype,
                    device=device)
 

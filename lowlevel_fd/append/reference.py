@@ -11,18 +11,20 @@ from typing import Any
 
 import numpy as np
 
-from ..quant import quantize_per_token_head, quantize_with_scale
+from ..quant import hadamard_rows, quantize_per_token_head, quantize_with_scale
 from ..reference import rope_ref
 
 
 def rotate(x: np.ndarray, positions: np.ndarray, style: str | None, *,
-           cos_sin: np.ndarray | None = None, theta: float = 10000.0) -> np.ndarray:
-    """x ``[N, H, D]`` rotated by ``positions [N]`` (float32); unchanged when style is None."""
+           cos_sin: np.ndarray | None = None, theta: float = 10000.0,
+           key_transform: str = "none") -> np.ndarray:
+    """x ``[N, H, D]`` rotated by ``positions [N]`` (float32; unchanged when style is None),
+    then multiplied by the Hadamard matrix when ``key_transform="hadamard"``."""
     x32 = np.asarray(x, dtype=np.float32)
-    if style is None:
-        return x32
-    return rope_ref(x32, np.asarray(positions, np.int64), style=style, cos_sin=cos_sin,
-                    theta=theta).astype(np.float32)
+    if style is not None:
+        x32 = rope_ref(x32, np.asarray(positions, np.int64), style=style, cos_sin=cos_sin,
+                       theta=theta).astype(np.float32)
+    return hadamard_rows(x32) if key_transform == "hadamard" else x32
 
 
 def quantize_rows(x: np.ndarray, scale_mode: str, scale: Any = None,
@@ -46,7 +48,8 @@ def append_ref(k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
                v_new: np.ndarray, *, kv_layout: str, scale_mode: str,
                scale_dtype: Any = np.float32, rope: str | None = None,
                cos_sin: np.ndarray | None = None, theta: float = 10000.0,
-               q: np.ndarray | None = None, advance: bool = False) -> np.ndarray | None:
+               q: np.ndarray | None = None, advance: bool = False,
+               key_transform: str = "none") -> np.ndarray | None:
     """What AppendPlan.run does, in place on host arrays: writes row ``seq_lens[b]`` of the
     caches (and per-token scales) where it lies in [0, S_max), bumps ``seq_lens`` when
     ``advance``. Returns q rotated (float64 ``[B, Hq, D]``, untouched rows where the position
@@ -56,7 +59,8 @@ def append_ref(k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
     positions = np.asarray(seq_lens).astype(np.int64)
     valid = (positions >= 0) & (positions < capacity)
     safe = np.where(valid, positions, 0)
-    k_rot = rotate(k_new, safe, rope, cos_sin=cos_sin, theta=theta)
+    k_rot = rotate(k_new, safe, rope, cos_sin=cos_sin, theta=theta,
+                   key_transform=key_transform)
     for view, scales, rows in ((k_view, k_scale, k_rot), (v_view, v_scale, v_new)):
         q8, token_scale = quantize_rows(rows, scale_mode, scales, scale_dtype)
         for b in np.flatnonzero(valid):
@@ -71,6 +75,8 @@ def append_ref(k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
     if rope is not None and valid.any():
         q_rot[valid] = rope_ref(np.asarray(q, np.float32)[valid], safe[valid], style=rope,
                                 cos_sin=cos_sin, theta=theta)
+        if key_transform == "hadamard":
+            q_rot[valid] = hadamard_rows(q_rot[valid]).astype(np.float64)
     return q_rot
 
 
@@ -78,7 +84,8 @@ def prompt_ref(k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
                v_scale: np.ndarray, prompt_lens: np.ndarray, k: np.ndarray, v: np.ndarray, *,
                kv_layout: str, prompt_layout: str = "bsnh", scale_mode: str,
                scale_dtype: Any = np.float32, rope: str | None = None,
-               cos_sin: np.ndarray | None = None, theta: float = 10000.0) -> np.ndarray:
+               cos_sin: np.ndarray | None = None, theta: float = 10000.0,
+               key_transform: str = "none") -> np.ndarray:
     """What PromptQuantizer.run does, in place on host arrays: positions ``0..len-1`` of each
     sequence, lengths clamped to the prompt's S and to S_max. Returns the lengths written."""
     k_view, v_view = _bnsh(k_cache, kv_layout), _bnsh(v_cache, kv_layout)
@@ -90,7 +97,8 @@ def prompt_ref(k_cache: np.ndarray, v_cache: np.ndarray, k_scale: np.ndarray,
         if length == 0:
             continue
         positions = np.arange(length)
-        rows = {"k": rotate(k[b, :length], positions, rope, cos_sin=cos_sin, theta=theta),
+        rows = {"k": rotate(k[b, :length], positions, rope, cos_sin=cos_sin, theta=theta,
+                            key_transform=key_transform),
                 "v": np.asarray(v[b, :length], np.float32)}
         for view, scales, name in ((k_view, k_scale, "k"), (v_view, v_scale, "v")):
             q8, token_scale = quantize_rows(rows[name], scale_mode, scales, scale_dtype)

@@ -12,6 +12,7 @@ import ctypes
 from typing import Any, Optional, Tuple
 
 from ..driver import Device, DeviceArray
+from . import support
 from . import validate as check
 from .spec import KVCacheSpec
 
@@ -178,6 +179,7 @@ def write_cache_fields(p: Any, spec: KVCacheSpec, arrays: CacheArrays) -> None:
     else:
         p.capacity = tokens
         p.block_table = p.table_stride = p.num_pages = p.page_shift = 0
+    p.key_transform = support.KEY_TRANSFORM_IDS[spec.key_transform]
 
 
 def rope_table(spec: KVCacheSpec, device: Device, cos_sin: Any, capacity: int) -> int:

@@ -18,6 +18,11 @@ class KVCacheSpec:
     with one fp32 scale per tensor (``scale_mode="tensor"``), per KV head (``"head"``) or an
     fp32/fp16 scale per token and KV head (``"token"``, ``scale_dtype``), and, when ``rope``
     is ``"neox"`` or ``"gptj"``, keys stored rotated by RoPE with base ``rope_theta``.
+    ``key_transform="hadamard"`` stores every key as ``H @ RoPE(k)`` (H the normalized
+    Sylvester-Hadamard matrix of order D, ``lowlevel_fd.hadamard``) before quantizing it: the
+    scores are unchanged when q is transformed alike, and the per-token INT8 error drops
+    because H spreads a key's outlier channels over the whole row. Kernels that rotate q
+    transform it too; a q passed already rotated must be passed as ``H @ RoPE(q)``.
 
     Every field is checked here, once; a plan built on the spec checks only its own options.
     """
@@ -31,6 +36,7 @@ class KVCacheSpec:
     rope_theta: float = 10000.0
     cache_dtype: str = "int8"
     page_size: int | None = None  # paged layouts: tokens per page, a power of two 1..256
+    key_transform: str = "none"   # "hadamard": keys stored as H @ RoPE(k)
 
     def __post_init__(self) -> None:
         num_kv_heads = check.positive("num_kv_heads", self.num_kv_heads)
@@ -42,6 +48,7 @@ class KVCacheSpec:
                                          support.SCALE_DTYPES[self.scale_mode])
         cache_dtype = check.dtype_option("cache_dtype", self.cache_dtype, support.CACHE_DTYPES)
         check.choice("rope", self.rope, support.ROPE_STYLES)
+        check.choice("key_transform", self.key_transform, support.KEY_TRANSFORMS)
         theta = check.real("rope_theta", self.rope_theta)
         if not theta > 1.0:
             raise ValueError(f"rope_theta: expected a finite base > 1, got {self.rope_theta!r}")
@@ -113,11 +120,11 @@ class CreatedFromOptions:
                max_seq_len: int, dtype: str = "float16", kv_layout: str = "bnsh",
                scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
-               page_size: int | None = None, sm_scale: float | None = None,
-               device: Any = None) -> Any:
+               page_size: int | None = None, key_transform: str = "none",
+               sm_scale: float | None = None, device: Any = None) -> Any:
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
-                           rope_theta, page_size=page_size)
+                           rope_theta, page_size=page_size, key_transform=key_transform)
         return cls(spec, num_q_heads, max_batch=max_batch,  # type: ignore[call-arg]
                    max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale, device=device)
 

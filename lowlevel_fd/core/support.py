@@ -24,11 +24,15 @@ SCALE_MODES = ("tensor", "head", "token")
 # Per-tensor and per-head scales are fp32; per-token-per-head scales fp32 or fp16.
 SCALE_DTYPES = {"tensor": ("float32",), "head": ("float32",), "token": ("float32", "float16")}
 ROPE_STYLES = (None, "neox", "gptj")
+# How keys are stored: as given (after RoPE), or multiplied by the normalized Hadamard matrix
+# (spreads outlier channels over the row: smaller per-token INT8 error, same scores).
+KEY_TRANSFORMS = ("none", "hadamard")
 WARP_COUNTS = (2, 4, 8)  # warps per decode CTA that TileConfig accepts (all compiled by CI)
 
 # -- ids shared with cu/kv_types.cuh ------------------------------------------------------------
 SCALE_MODE_IDS = {"tensor": 0, "head": 1, "token": 2}  # enum ScaleMode
 ROPE_IDS = {None: 0, "neox": 1, "gptj": 2}             # enum RopeStyle
+KEY_TRANSFORM_IDS = {"none": 0, "hadamard": 1}         # the params' key_transform field
 # Bits of a plan's error word (kError* in kv_types.cuh).
 ERROR_OUTSIDE_CACHE = 1  # a length or position outside [0, capacity): clamped, nothing written
 ERROR_PROMPT_LENGTH = 2  # a prompt length < 0 or > the prompt array's S: clamped

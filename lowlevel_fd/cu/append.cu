@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(kThreads) append_token(const __grid_constant__
       unpack8<T>(raw[s], x);
       // ---- rotate: K and Q rows, never V ----
       rotate<ROPE, HEAD_DIM>(x, rope_cs, lane, is_k || is_q);
+      if (p.key_transform) hadamard_row<HEAD_DIM>(x, lane, is_k || is_q);
       if (is_q) {
         const int head = row - 2 * kv_heads;
         *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.q_out) + b * p.q_out_batch_stride +
@@ -190,6 +191,7 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
       unpack8<T>(raw[s], x);
       rotate<ROPE, HEAD_DIM>(x, rope_cs[ROPE != kRopeNone && active ? token : 0], lane,
                              is_k && active);
+      if (p.key_transform) hadamard_row<HEAD_DIM>(x, lane, is_k && active);
       void* scales = is_k ? p.k_scale : p.v_scale;
       const float scale = active ? given_scale<SCALE_MODE>(scales, head) : 0.f;
       int64_t offset = 0, scale_index = 0;

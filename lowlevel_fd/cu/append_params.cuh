@@ -42,8 +42,9 @@ struct AppendParams {
   // prompt: the position of each prompt's first token (a chunk after cached tokens), or null
   // (position 0)
   const int32_t* starts;
+  int32_t key_transform;       // 1: K rows (and rotated q) are Hadamard-transformed after RoPE
 };
 
-static_assert(sizeof(AppendParams) == 280, "keep in sync with lowlevel_fd/append/params.py");
+static_assert(sizeof(AppendParams) == 288, "keep in sync with lowlevel_fd/append/params.py");
 
 }  // namespace llfd

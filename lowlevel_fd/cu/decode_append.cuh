@@ -133,6 +133,10 @@ __device__ __forceinline__ void stage_new_token(const DecodeParams& p,
     unpack8<QT>(raw, x);
     if (rope == kRopeNeox) rotate<kRopeNeox, HEAD_DIM>(x, sh.cs, lane, is_q || is_k);
     else if (rope == kRopeGptj) rotate<kRopeGptj, HEAD_DIM>(x, sh.cs, lane, is_q || is_k);
+    // Keys are transformed whenever written, q when the kernel rotates it (else it arrives
+    // transformed, like a rotated q).
+    if (p.key_transform && rotate_now)
+      hadamard_row<HEAD_DIM>(x, lane, is_k || (is_q && rope != kRopeNone));
     if (is_q)
       *reinterpret_cast<uint4*>(&sh.q[row][8 * lane]) =
           make_uint4(pack2<QT>(x[0], x[1]), pack2<QT>(x[2], x[3]), pack2<QT>(x[4], x[5]),

@@ -34,6 +34,7 @@ struct DecodeParams {
   int32_t cluster_slots_offset;  // cluster merge: bytes into dynamic shared memory of the slots
   int32_t early_reads;      //   1: read the lengths, cache, scales and RoPE table before the
                             //   programmatic wait (the previous kernel writes none of them)
+  int32_t key_transform;    //   1: keys are stored Hadamard-transformed (rows.cuh hadamard_row)
   const void* k_new;        //   the new tokens' K and V: [B, Hkv, D] like q
   const void* v_new;
   const float* cos_sin;     //   [max_pos >= capacity, D/2, 2] fp32, or null

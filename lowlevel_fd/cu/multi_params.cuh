@@ -37,7 +37,7 @@ struct MultiParams {
   int32_t causal;            // 1: query i sees tokens t <= seq_len - qo_len + i
   int32_t rope;              // RopeStyle applied to q at its positions (0: q as given)
   float rope_theta;
-  int32_t reserved;
+  int32_t key_transform;     // 1: q is Hadamard-transformed after its RoPE (rows.cuh)
   // Paged storage (cache_pages.cuh; null block_table: contiguous).
   const int32_t* block_table;
   int64_t table_stride;

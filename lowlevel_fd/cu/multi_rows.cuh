@@ -13,6 +13,49 @@ namespace llfd {
 constexpr int kMultiMaxSplits = 32;  // multi/planner.py MAX_SPLITS
 constexpr float kMultiLn2 = 0.6931471805599453f;
 
+// x <- H x (rows.cuh hadamard_row) for a row held by a quad: element 16 s + 4 c + e at x[s][e]
+// of lane c. The same butterflies in the same order (index bits of e, of c by xor-shuffle within
+// the quad, of s), so the same fp32 results as the writers' layout.
+template <int HEAD_DIM>
+__device__ __forceinline__ void hadamard_quad(float (&x)[HEAD_DIM / 16][4], int c) {
+  constexpr int kChunks = HEAD_DIM / 16;
+#pragma unroll
+  for (int bit = 1; bit < 4; bit <<= 1)
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!(e & bit)) {
+          const float a = x[s][e], b = x[s][e | bit];
+          x[s][e] = a + b;
+          x[s][e | bit] = a - b;
+        }
+#pragma unroll
+  for (int bit = 1; bit < 4; bit <<= 1)
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float partner = __shfl_xor_sync(kFullMask, x[s][e], bit);
+        x[s][e] = (c & bit) ? partner - x[s][e] : x[s][e] + partner;
+      }
+#pragma unroll
+  for (int bit = 1; bit < kChunks; bit <<= 1)
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+      if (!(s & bit))
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float a = x[s][e], b = x[s | bit][e];
+          x[s][e] = a + b;
+          x[s | bit][e] = a - b;
+        }
+#pragma unroll
+  for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[s][e] = __fmul_rn(x[s][e], kHadamardNorm<HEAD_DIM>);
+}
+
 // This lane's Q fragments for its rows r_lo and r_lo + 8 (dims permuted as the K fragments:
 // multi_tiles.cuh), and each row's scale into fp16 range. Rows past the sequence's are zero.
 template <int HEAD_DIM, typename QT>
@@ -35,7 +78,7 @@ __device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], floa
       words[s] = valid ? __ldg(reinterpret_cast<const uint2*>(row + 16 * s + 4 * c))
                        : make_uint2(0, 0);
     row_scale[hr] = 1.f;
-    if (kWiden || p.rope != kRopeNone) {
+    if (kWiden || p.rope != kRopeNone) {  // key_transform is set only with rope
       float x[kChunks][4];
 #pragma unroll
       for (int s = 0; s < kChunks; ++s) {
@@ -66,6 +109,7 @@ __device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], floa
             x[s][e + 1] = a * cs.y + b * cs.x;
           }
       }
+      if (p.key_transform) hadamard_quad<HEAD_DIM>(x, c);
       float absmax = 0.f;
 #pragma unroll
       for (int s = 0; s < kChunks; ++s)

@@ -121,6 +121,41 @@ __device__ __forceinline__ void rotate(float (&x)[8], const float2* cs, int lane
   }
 }
 
+// ---- key transform ---------------------------------------------------------------------------
+// x <- H x when `apply`, H the normalized Sylvester-Hadamard matrix of order D (H = H^T, H H = I,
+// so scores (H q).(H k) = q.k): butterflies over the element index's bits from the lowest (the
+// lane's 8 elements, then its row's lanes by xor-shuffle), then one fp32 product by 1/sqrt(D).
+// lowlevel_fd/reference.py hadamard_rows runs the same fp32 operations in the same order.
+template <int HEAD_DIM>
+constexpr float kHadamardNorm = HEAD_DIM == 64 ? 0.125f
+                                : HEAD_DIM == 128 ? 0.08838834764831845f : 0.0625f;  // 1/sqrt(D)
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void hadamard_row(float (&x)[8], int lane, bool apply) {
+  float y[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y[e] = x[e];
+#pragma unroll
+  for (int bit = 1; bit < 8; bit <<= 1)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (!(e & bit)) {
+        const float a = y[e], b = y[e | bit];
+        y[e] = a + b;
+        y[e | bit] = a - b;
+      }
+#pragma unroll
+  for (int s = 1; s < RowLanes<HEAD_DIM>::kLanes; s <<= 1)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float partner = __shfl_xor_sync(kFullMask, y[e], s);
+      y[e] = (lane & s) ? partner - y[e] : y[e] + partner;
+    }
+  if (apply)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = __fmul_rn(y[e], kHadamardNorm<HEAD_DIM>);
+}
+
 __device__ __forceinline__ uint32_t quantize4(const float* x, float inv) {
   uint32_t word = 0;
 #pragma unroll

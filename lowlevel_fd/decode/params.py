@@ -21,7 +21,7 @@ class DecodeParams(ctypes.Structure):
                    # the fused append (DecodePlan.append_and_run)
                    ("append", ctypes.c_int32), ("rope", ctypes.c_int32),
                    ("rope_theta", ctypes.c_float), ("cluster_slots_offset", ctypes.c_int32),
-                   ("early_reads", ctypes.c_int32)]
+                   ("early_reads", ctypes.c_int32), ("key_transform", ctypes.c_int32)]
                 + [(name, ctypes.c_uint64) for name in ("k_new", "v_new", "cos_sin")]
                 + [(name, ctypes.c_int64) for name in (
                     "k_new_batch_stride", "k_new_head_stride", "v_new_batch_stride",

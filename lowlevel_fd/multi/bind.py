@@ -55,6 +55,7 @@ class MultiBinder:
         p.out_head_stride = out_arr.strides[1] // item
         write_cache_fields(p, self.spec, cache)
         p.rope = support.ROPE_IDS[self.spec.rope] if rotate_q else 0
+        p.key_transform = p.key_transform if rotate_q else 0  # else q arrives transformed
         p.rope_theta = self.spec.rope_theta
         p.cos_sin = 0 if table is None else table.ptr
 

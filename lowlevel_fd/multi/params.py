@@ -19,7 +19,7 @@ class MultiParams(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in _STRIDES]
                 + [("score_scale_log2", ctypes.c_float)]
                 + [(name, ctypes.c_int32) for name in _INTS]
-                + [("rope_theta", ctypes.c_float), ("reserved", ctypes.c_int32)]
+                + [("rope_theta", ctypes.c_float), ("key_transform", ctypes.c_int32)]
                 + PAGE_FIELDS)
 
 
