@@ -1,6 +1,9 @@
 """The GPU runner of tools/llm (torch): on the CPU, its Llama forward pass against the numpy
-reference and its SDPA backend against the CPU attention; on the GPU, the INT8 backend through
-lowlevel_fd against the fp32-KV reference, and a graph-captured step against the eager one.
+reference, its SDPA backend against the CPU attention, and the INT8 backend's host side (option
+checks, the packing of ragged prompts for MultiPlan, the block table in every call) with the
+library's plans replaced by fakes; on the GPU, the INT8 backend through lowlevel_fd against the
+fp32-KV reference, and a graph-captured step against the eager one (test_llm_int8_gpu.py: paged
+storage and the multi-token prefill).
 Skipped without torch (CI installs none) and, like test_llm_cpu.py, without the model."""
 from __future__ import annotations
 
@@ -127,6 +130,36 @@ def test_backend_names():
         make_attention("int8-page", config, batch=1, capacity=16, dtype=torch.float16)
 
 
+def test_backend_name_variants_set_int8_options():
+    from llm.backends import split_name
+    assert split_name("int8-head") == ("int8-head", {})
+    assert split_name("int8-token-fp16+sdpa-prefill+hnd") == (
+        "int8-token-fp16", {"prefill": "sdpa", "storage": "hnd"})
+    assert split_name("sdpa-fp32") == ("sdpa-fp32", {})
+    assert split_name("int8-token-fp32+hadamard") == (
+        "int8-token-fp32", {"key_transform": "hadamard"})
+    for bad in ("sdpa-fp16+hadamard", "sdpa-fp16+hnd", "int8-head+flash", "int8-head+", "int8-page+nhd"):
+        with pytest.raises(ValueError, match="name: expected one of"):
+            split_name(bad)
+
+
+def test_int8_options_are_checked_before_any_gpu_work():
+    from llm.int8_attention import Int8Attention
+    config = type("Config", (), {"n_layers": 1, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64,
+                                 "rope_theta": 1e5})()
+    for options, message in (({"storage": "paged"}, "storage: expected one of"),
+                             ({"page_size": 24}, "page_size: expected a power of two"),
+                             ({"storage": "hnd", "page_size": 0}, "page_size: expected"),
+                             ({"prefill": "flash"}, "prefill: expected one of"),
+                             ({"scale_mode": "page"}, "scale_mode: expected one of"),
+                             ({"key_transform": "walsh"}, "key_transform: expected one of")):
+        with pytest.raises(ValueError, match=message):
+            Int8Attention(config, batch=1, capacity=16, device="cpu", **options)
+    with pytest.raises(ValueError, match="storage: expected one of"):
+        make_attention("int8-head", config, batch=1, capacity=16, dtype=torch.float16,
+                       device="cpu", storage="paged")
+
+
 def test_first_difference_cuts_each_output_after_its_stop_token():
     stop = {2}
     assert first_difference([5, 6, 2, 9], [5, 6, 2, 7], stop) is None
@@ -166,6 +199,94 @@ def test_report_tables_render_every_section_and_failures():
 def test_report_without_a_gpu_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_report.main(["--out", str(tmp_path), "--quick"]) == 2
+
+
+# -- CPU: the INT8 backend's host side, the library's plans replaced by fakes ----------------
+class _FakePlan:
+    """Records the calls the INT8 backend makes (PromptQuantizer, MultiPlan, DecodeStep)."""
+
+    calls: list = []
+
+    def __init__(self, spec, *args, **kwargs):
+        self.spec = spec
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            _FakePlan.calls.append((type(self).__name__, name, args, kwargs))
+            if name == "run" and type(self).__name__ == "FakeMulti":
+                args[7].copy_(args[0])  # out = q rows: shows the packing and unpacking
+        return call
+
+
+@pytest.mark.parametrize("storage", ["contiguous", "nhd", "hnd"])
+def test_int8_prefill_packs_ragged_prompts_for_the_multi_plan(monkeypatch, storage):
+    import lowlevel_fd
+    import llm.int8_attention as int8
+
+    fakes = {name: type(name, (_FakePlan,), {}) for name in ("FakeMulti", "FakeQuantizer",
+                                                                "FakeStep")}
+    monkeypatch.setattr(lowlevel_fd, "MultiPlan", fakes["FakeMulti"])
+    monkeypatch.setattr(lowlevel_fd, "PromptQuantizer", fakes["FakeQuantizer"])
+    monkeypatch.setattr(lowlevel_fd, "DecodeStep", fakes["FakeStep"])
+    monkeypatch.setattr(int8, "current_stream", lambda: 7)
+    _FakePlan.calls = []
+    config = type("Config", (), {"n_layers": 2, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64,
+                                 "rope_theta": 1e5})()
+    attention = int8.Int8Attention(config, batch=3, capacity=32, device="cpu", storage=storage,
+                                   page_size=8, page_seed=5)
+    assert attention.spec.kv_layout == ("bnsh" if storage == "contiguous" else storage)
+    assert attention.spec.page_size == (None if storage == "contiguous" else 8)
+    table = attention.block_table
+    if storage != "contiguous":
+        assert table.shape == (3, 4) and table.dtype == torch.int32
+        assert attention.cache.k.shape[:2] == (2, 12) and attention.settings()["num_pages"] == 12
+    lengths, t = [5, 1, 3], 5
+    attention.start(lengths)
+    qkv = torch.randn(3, t, 15 * 64).half()
+    q, k, v = split_qkv(qkv, 9, 3, 64)
+    for layer in range(2):
+        out = attention.prefill(layer, q, k, v)
+        assert out.shape == (3, t, 9, 64) and out.dtype == torch.float16
+        for b, n in enumerate(lengths):
+            assert torch.equal(out[b, :n], q[b, :n]) and not out[b, n:].any()
+    names = [(owner, name) for owner, name, _, _ in _FakePlan.calls]
+    assert names == [("FakeQuantizer", "run"), ("FakeMulti", "plan"), ("FakeMulti", "run"),
+                     ("FakeQuantizer", "run"), ("FakeMulti", "run")]  # planned once
+    _, _, args, kwargs = _FakePlan.calls[1]
+    assert args[0].tolist() == [0, 5, 6, 9] and args[1].tolist() == lengths
+    assert kwargs == {"causal": True}
+    for _, name, args, kwargs in _FakePlan.calls:
+        if name == "run":
+            assert kwargs["block_table"] is table and kwargs["stream"] == 7
+    _, _, args, kwargs = _FakePlan.calls[3]  # the quantizer, layer 1
+    assert args[2].data_ptr() == attention.cache.k[1].data_ptr() and args[6] is attention.seq_lens
+    _, _, args, kwargs = _FakePlan.calls[-1]  # the multi-token attention, layer 1
+    assert kwargs["rotate_q"] is True and args[5] is attention.seq_lens
+    assert args[6].tolist() == [0, 5, 6, 9] and args[0].shape == (9, 9, 64)
+    assert args[1].data_ptr() == attention.cache.k[1].data_ptr()
+    attention.prepare_decode(8)
+    layers = [c for c in _FakePlan.calls if c[1] == "bind"][0][2][0]
+    assert len(layers) == 2 and all(layer.block_table is table for layer in layers)
+    assert layers[1].k_cache.data_ptr() == attention.cache.k[1].data_ptr()
+
+
+def test_int8_cache_gathers_pages_through_the_table():
+    from llm.int8_storage import Int8Cache, cache_layout
+
+    for storage in ("nhd", "hnd"):
+        layout = cache_layout(storage, 4, batch=2, capacity=12, kv_heads=3, head_dim=64)
+        cache = Int8Cache(layout, 1, device="cpu", page_seed=1)
+        cache.fill_random(torch.Generator().manual_seed(0))
+        k, scale = cache.contiguous(0, "k"), cache.contiguous(0, "k_scale")
+        assert k.shape == (2, 3, 12, 64) and scale.shape == (2, 3, 12)
+        for b in range(2):
+            for pos in range(12):
+                page, slot = int(cache.host_table[b, pos // 4]), pos % 4
+                want = cache.k[0, page, slot] if storage == "nhd" else cache.k[0, page, :, slot]
+                assert torch.equal(k[b, :, pos], want), (storage, b, pos)
+                want = (cache.k_scale[0, page, slot] if storage == "nhd"
+                        else cache.k_scale[0, page, :, slot])
+                assert torch.equal(scale[b, :, pos], want)
 
 
 # -- GPU: the INT8 backend through lowlevel_fd ------------------------------------------------

@@ -12,8 +12,10 @@ On the GPU (torch; the runner lowlevel_fd's INT8 cache is measured in):
 - `torch_model`: the Llama forward pass in torch (prefill of B right-padded prompts, decode
   steps of one token per sequence).
 - `torch_attention`: RoPE, fp32/fp16 KV caches and SDPA: the references.
-- `int8_attention`: lowlevel_fd's INT8 cache: PromptQuantizer for prompts, DecodeStep.bind's
-  append_and_run launches per layer for decode steps.
+- `int8_attention`: lowlevel_fd's INT8 cache: PromptQuantizer writes prompts, MultiPlan
+  attends them over the INT8 cache, DecodeStep.bind's append_and_run launches per layer run
+  decode steps.
+- `int8_storage`: that cache contiguous or in pages (nhd/hnd) behind one block table.
 - `backends`: the backends by name, and the English text of the accuracy runs.
 - `graph_step`: a decode step (or its attention alone) as one torch CUDA graph; event timing.
 - `measure`, `throughput`, `report_tables`, `gpu_report`: the measurements and their report.

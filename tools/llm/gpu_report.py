@@ -4,6 +4,12 @@ throughput, written as JSON and markdown to --out and printed.
 
     PYTHONPATH=.:tools python3 tools/llm/gpu_report.py --out results/llm [--quick]
 
+The INT8 caches live in pages (`--storage nhd`, `--page-size 16`: pages in a seeded random
+physical order behind one block table) or contiguous (`--storage contiguous`); the prompt's
+attention runs in the library's MultiPlan over the INT8 cache (`--prefill multi`), in torch
+SDPA over the un-quantized K/V (`sdpa`), or both (`both`: every INT8 backend also as
+`<name>+sdpa-prefill` in the accuracy and generation sections).
+
 Each section runs on its own: a failure is recorded with its traceback in the JSON and the
 other sections still run. Exit status 1 if any section (or any backend in one) failed.
 """
@@ -19,6 +25,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `llm` importable from tools/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llm.int8_storage import (DEFAULT_PAGE_SIZE, DEFAULT_STORAGE, PAGE_SIZES,  # noqa: E402
+                              STORAGES)
 
 QUESTIONS = ["What is the capital of France?",
              "Explain in two sentences why the sky is blue.",
@@ -43,7 +52,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sections", default="accuracy,generation,throughput")
     parser.add_argument("--static-margin", type=float, default=1.0,
                         help="head/tensor scales: prompt absmax x this / 127")
+    parser.add_argument("--storage", choices=STORAGES, default=DEFAULT_STORAGE,
+                        help="the INT8 cache: pages in nhd or hnd order, or contiguous bnsh")
+    parser.add_argument("--page-size", type=int, choices=PAGE_SIZES, default=DEFAULT_PAGE_SIZE,
+                        metavar="N", help="tokens per page (paged storage; default 16)")
+    parser.add_argument("--page-seed", type=int, default=0,
+                        help="seed of the random physical page order")
+    parser.add_argument("--prefill", choices=("multi", "sdpa", "both"), default="multi",
+                        help="the INT8 backends' prompt attention: the library's MultiPlan "
+                             "over the INT8 cache, torch SDPA over fp16 K/V, or both")
     return parser.parse_args(argv)
+
+
+def int8_options(args: argparse.Namespace) -> dict:
+    """The INT8 backends' options (make_attention's) from the command line (contiguous
+    storage ignores the page options)."""
+    return {"storage": args.storage, "page_size": args.page_size, "page_seed": args.page_seed,
+            "prefill": "sdpa" if args.prefill == "sdpa" else "multi"}
+
+
+def backend_names(names, int8, prefill: str) -> tuple:
+    """The accuracy and generation sections' backends: `names`, and with `--prefill both`
+    every INT8 one again with its prompt attended in torch SDPA."""
+    extra = tuple(f"{name}+sdpa-prefill" for name in int8) if prefill == "both" else ()
+    return tuple(names) + extra
 
 
 def log(message: str) -> None:
@@ -66,7 +98,7 @@ def main(argv=None) -> int:
     import torch
 
     from llm import locate
-    from llm.backends import INT8, NAMES, english_text
+    from llm.backends import HADAMARD, INT8, NAMES, english_text
     from llm.report_tables import markdown
     from llm.tokenizer import Tokenizer
     from llm.torch_model import DTYPES, TorchLlama
@@ -75,8 +107,12 @@ def main(argv=None) -> int:
     settings = dict(QUICK if args.quick else FULL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    options = int8_options(args)
+    names = backend_names(NAMES + HADAMARD, INT8 + HADAMARD, args.prefill)
     report = {"settings": {**settings, "dtype": args.dtype, "quick": args.quick,
-                           "static_margin": args.static_margin},
+                           "static_margin": args.static_margin, "storage": args.storage,
+                           "page_size": args.page_size if args.storage != "contiguous" else None,
+                           "page_seed": args.page_seed, "prefill": args.prefill},
               "environment": environment(), "sections": {}}
     if not torch.cuda.is_available():
         log("gpu_report: no CUDA device visible to torch")
@@ -117,20 +153,23 @@ def main(argv=None) -> int:
         if len(ids) < c * n:
             n = len(ids) // c
         chunks = torch.tensor(ids[:c * n], dtype=torch.int64).view(c, n).cuda()
-        result = run(model, NAMES, chunks, settings["prompt_tokens"],
-                     static_margin=args.static_margin, log=log)
+        result = run(model, names, chunks, settings["prompt_tokens"],
+                     static_margin=args.static_margin, int8_options=options, log=log)
         result["text"] = {"source": source, "tokens": len(ids)}
         return result
 
     def generation():
         from llm.measure import generation as run
-        return run(model, tokenizer, NAMES, QUESTIONS[:settings["questions"]],
-                   settings["new_tokens"], static_margin=args.static_margin, log=log)
+        return run(model, tokenizer, names, QUESTIONS[:settings["questions"]],
+                   settings["new_tokens"], static_margin=args.static_margin,
+                   int8_options=options, log=log)
 
     def throughput():
         from llm.throughput import throughput as run
-        return run(model, ("sdpa-fp16", INT8[0]), settings["batches"], settings["contexts"],
-                   warmup=settings["warmup"], iters=settings["iters"], log=log)
+        return run(model, ("sdpa-fp16", INT8[0], HADAMARD[0]), settings["batches"],
+                   settings["contexts"],
+                   warmup=settings["warmup"], iters=settings["iters"], int8_options=options,
+                   log=log)
 
     # Everything on a created stream: the library's launches go to torch's current stream,
     # and the legacy default stream is no place for them (nor can it be captured).

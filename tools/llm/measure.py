@@ -2,14 +2,16 @@
 
 Teacher-forced decode: the text is cut into B chunks of N tokens, run as B sequences. Each
 chunk's first P tokens are its prompt (prefill: the INT8 backends write it with the library's
-prompt quantizer and calibrate their static scales on it); then N - P - 1 graph-captured decode
+prompt quantizer, calibrate their static scales on it and attend it with the library's
+multi-token attention over the INT8 cache); then N - P - 1 graph-captured decode
 steps feed the text's next token to every sequence, each appended to the cache and attended.
 Only the decode steps' predictions are scored: per backend the top-1 token at every position
 and the log-probability of the true next token, so that top-1 agreement with the fp32-KV
 reference and each backend's perplexity come from the same positions.
 
-Greedy generation: B chat prompts batched (right-padded prefill), the first token from the
-prefill's logits, the rest from graph-captured decode steps fed their own argmax.
+Greedy generation: B chat prompts batched (a right-padded prefill of ragged prompts), the
+first token from the prefill's logits, the rest from graph-captured decode steps fed their own
+argmax.
 """
 from __future__ import annotations
 
@@ -40,11 +42,18 @@ def guarded(section: str, name: str, call, failures: list, log):
         return None
 
 
+def backend_settings(attention) -> dict:
+    """The INT8 backend's storage and prefill (Int8Attention.settings) for a report row; {} for
+    the SDPA backends."""
+    return attention.settings() if hasattr(attention, "settings") else {}
+
+
 def teacher_forced(model, name: str, chunks: torch.Tensor, prompt_tokens: int, *,
-                   static_margin: float = 1.0) -> dict:
+                   static_margin: float = 1.0, int8_options: dict | None = None) -> dict:
     """Backend `name` over `chunks` `[B, N]` (int64 ids on the model's device): the top-1 ids
     `[steps, B]` and the log-probabilities of the true tokens `[steps, B]` of the decode steps
-    (on the device), the steps, the library's error flags (INT8) and the time taken."""
+    (on the device), the steps, the library's error flags (INT8), the backend's settings and
+    the time taken. `int8_options`: make_attention's options of the INT8 backends."""
     started = time.perf_counter()
     batch, n = chunks.shape
     steps = n - prompt_tokens - 1
@@ -53,7 +62,7 @@ def teacher_forced(model, name: str, chunks: torch.Tensor, prompt_tokens: int, *
                          f"{prompt_tokens}-token prompt")
     attention = make_attention(name, model.config, batch=batch, capacity=capacity_for(n),
                                dtype=model.dtype, device=model.device,
-                               static_margin=static_margin)
+                               static_margin=static_margin, **(int8_options or {}))
     columns = chunks.t().contiguous()                               # [N, B]: one row per step
     try:
         model.prefill(chunks[:, :prompt_tokens], [prompt_tokens] * batch, attention)
@@ -70,6 +79,7 @@ def teacher_forced(model, name: str, chunks: torch.Tensor, prompt_tokens: int, *
         flags = attention.error_flags() if hasattr(attention, "error_flags") else 0
         graph.close()
         return {"top": top, "logp": logp, "steps": steps, "error_flags": flags,
+                "settings": backend_settings(attention),
                 "seconds": time.perf_counter() - started}
     finally:
         if hasattr(attention, "close"):
@@ -77,14 +87,15 @@ def teacher_forced(model, name: str, chunks: torch.Tensor, prompt_tokens: int, *
 
 
 def accuracy(model, names, chunks: torch.Tensor, prompt_tokens: int, *,
-             static_margin: float = 1.0, log=print) -> dict:
+             static_margin: float = 1.0, int8_options: dict | None = None, log=print) -> dict:
     """Every backend in `names` (the reference first) teacher-forced over `chunks`; per
     backend: top-1 agreement with the reference, perplexity, relative perplexity change."""
     names = [REFERENCE] + [n for n in names if n != REFERENCE]
     runs, rows = {}, []
     for name in names:
         run = guarded("accuracy", name, lambda: teacher_forced(
-            model, name, chunks, prompt_tokens, static_margin=static_margin), rows, log)
+            model, name, chunks, prompt_tokens, static_margin=static_margin,
+            int8_options=int8_options), rows, log)
         if run is None:
             continue
         runs[name] = run
@@ -97,17 +108,18 @@ def accuracy(model, names, chunks: torch.Tensor, prompt_tokens: int, *,
             "top1_agreement": (run["top"] == ref["top"]).double().mean().item(),
             "top1_vs_text": (run["top"] == targets).double().mean().item(),
             "ppl": ppl, "ref_ppl": ref_ppl, "delta_ppl": ppl / ref_ppl - 1.0,
-            "error_flags": run["error_flags"], "seconds": run["seconds"]})
+            "error_flags": run["error_flags"], "seconds": run["seconds"], **run["settings"]})
         log(f"  accuracy: {name}: top-1 agreement {rows[-1]['top1_agreement']:.4f}, "
             f"PPL {ppl:.3f} (ref {ref_ppl:.3f}), {run['seconds']:.1f} s")
     return {"rows": rows, "chunks": list(chunks.shape), "prompt_tokens": prompt_tokens,
             "static_margin": static_margin}
 
 
-def greedy(model, name: str, prompts, new_tokens: int, *,
-           static_margin: float = 1.0) -> tuple[list, int]:
+def greedy(model, name: str, prompts, new_tokens: int, *, static_margin: float = 1.0,
+           int8_options: dict | None = None) -> tuple[list, int, dict]:
     """Backend `name` greedily continuing each prompt (a list of id lists) for `new_tokens`
-    tokens, all prompts as one batch; returns the ids per prompt and the error flags."""
+    tokens, all prompts as one batch; returns the ids per prompt, the error flags and the
+    backend's settings."""
     batch, longest = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(batch, longest, dtype=torch.int64)
     for b, prompt in enumerate(prompts):
@@ -115,7 +127,7 @@ def greedy(model, name: str, prompts, new_tokens: int, *,
     attention = make_attention(name, model.config, batch=batch,
                                capacity=capacity_for(longest + new_tokens),
                                dtype=model.dtype, device=model.device,
-                               static_margin=static_margin)
+                               static_margin=static_margin, **(int8_options or {}))
     try:
         logits = model.prefill(tokens.to(model.device), [len(p) for p in prompts], attention)
         out = torch.empty(new_tokens, batch, dtype=torch.int64, device=model.device)
@@ -128,7 +140,7 @@ def greedy(model, name: str, prompts, new_tokens: int, *,
             graph.close()
         torch.cuda.synchronize()
         flags = attention.error_flags() if hasattr(attention, "error_flags") else 0
-        return out.t().tolist(), flags
+        return out.t().tolist(), flags, backend_settings(attention)
     finally:
         if hasattr(attention, "close"):
             attention.close()
@@ -151,7 +163,8 @@ def first_difference(ids: list, reference: list, stop: set) -> int | None:
 
 
 def generation(model, tokenizer, names, questions, new_tokens: int, *,
-               static_margin: float = 1.0, log=print) -> dict:
+               static_margin: float = 1.0, int8_options: dict | None = None,
+               log=print) -> dict:
     """The questions as ChatML prompts, greedy `new_tokens` per backend; per INT8/fp16 backend
     and question the first position that differs from the fp32-KV reference."""
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
@@ -160,16 +173,17 @@ def generation(model, tokenizer, names, questions, new_tokens: int, *,
     outputs, rows, failures = {}, [], []
     for name in names:
         result = guarded("generation", name, lambda: greedy(
-            model, name, prompts, new_tokens, static_margin=static_margin), failures, log)
+            model, name, prompts, new_tokens, static_margin=static_margin,
+            int8_options=int8_options), failures, log)
         if result is None:
             continue
-        outputs[name], flags = result
+        outputs[name], flags, settings = result
         for k, question in enumerate(questions):
             ids, ref = outputs[name][k], outputs[REFERENCE][k]
             rows.append({"backend": name, "prompt": k, "question": question,
                          "first_difference": first_difference(ids, ref, stop),
                          "text": tokenizer.decode(_cut(ids, stop), skip_special=True),
-                         "error_flags": flags})
+                         "error_flags": flags, **settings})
     return {"rows": rows, "failures": failures, "new_tokens": new_tokens,
             "prompt_tokens": [len(p) for p in prompts]}
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: the llm package
 from llm import locate  # noqa: E402
+from lowlevel_fd.quant import hadamard  # noqa: E402
 from llm.backends import english_text  # noqa: E402
 from llm.tokenizer import Tokenizer  # noqa: E402
 from llm.torch_attention import rope_neox, rope_table, split_qkv, SdpaAttention  # noqa: E402
@@ -60,6 +61,8 @@ VARIANTS = {
     "h_smoothAllMean_v": dict(k=True, v=True, smooth=True, mean_all=True),
     "i_smoothK_eq0.5_v": dict(k=True, v=True, smooth=True, eq=0.5),
     "j_smoothK_eq1.0_v": dict(k=True, v=True, smooth=True, eq=1.0),
+    # KVCacheSpec(key_transform="hadamard"): K stored as H RoPE(k), q transformed alike
+    "k_hadamardK_v": dict(k=True, v=True, smooth=False, hadamard=True),
 }
 
 
@@ -74,6 +77,9 @@ def make_cache(kr, v, P, var):
         span = kr if var.get("mean_all") else kr[:, :P]
         mean = span.mean(dim=1, keepdim=True)    # per seq, KV head, channel over prompt
         kc = kr - mean
+    if var.get("hadamard"):  # quantize H k, attend with H q: the same as (Q(H k)) H^T with q
+        h = torch.from_numpy(hadamard(kc.shape[-1])).float()
+        return fake_quant(kc @ h, sd) @ h, (fake_quant(v, sd) if var["v"] else v)
     if var.get("eq"):
         # per-channel equalization calibrated on the prompt: k' = kc / s, k_hat = Q(k') * s
         # (exact rescale, foldable into q): s_c = (prompt absmax_c)^alpha

@@ -10,6 +10,8 @@ def markdown(report: dict) -> str:
              f"{env.get('gpu', 'no GPU')}, torch {env.get('torch')}, lowlevel_fd "
              f"{env.get('lowlevel_fd')}, {env.get('date')}"
              + (" (--quick)" if settings.get("quick") else ""), ""]
+    if "storage" in settings:
+        lines += [_int8_settings(settings), ""]
     sections = report.get("sections", {})
     for name, render in (("accuracy", _accuracy), ("generation", _generation),
                          ("throughput", _throughput)):
@@ -21,6 +23,20 @@ def markdown(report: dict) -> str:
             continue
         lines += render(result) + [""]
     return "\n".join(lines)
+
+
+def _int8_settings(settings: dict) -> str:
+    """One line: where the INT8 backends keep their cache and how they attend the prompt."""
+    storage = settings["storage"]
+    where = ("contiguous per sequence ([B, Hkv, S, D])" if storage == "contiguous" else
+             f"pages of {settings.get('page_size')} tokens in {storage} order, assigned in a "
+             f"random physical order (seed {settings.get('page_seed')}) through one block table")
+    prefill = {"multi": "the library's MultiPlan over the INT8 cache",
+               "sdpa": "torch SDPA over the un-quantized K/V",
+               "both": "the library's MultiPlan over the INT8 cache (`+sdpa-prefill`: torch "
+                       "SDPA over the un-quantized K/V)"}.get(settings.get("prefill"),
+                                                             settings.get("prefill"))
+    return f"INT8 caches: {where}; the prompt's attention: {prefill}."
 
 
 def _accuracy(result: dict) -> list[str]:

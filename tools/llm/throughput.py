@@ -2,7 +2,8 @@
 attention) captured as one CUDA graph, replayed and timed with CUDA events, for a batch B of
 sequences of about C cached tokens each.
 
-The caches are filled with random valid content (int8 values and scales, or fp16 values) and
+The caches are filled with random valid content (int8 values and scales, or fp16 values; an
+INT8 cache in its storage, by default pages in a random order behind a block table) and
 the lengths set directly: the step's cost does not depend on what the cache holds. The lengths
 start at C - (warmup + iters) / 2, and each replay appends one token, so the timed steps
 attend about C tokens. The attention share is the replay time of a second graph that holds
@@ -20,17 +21,20 @@ import torch
 from .backends import make_attention
 from .graph_step import AttentionGraph, GraphStep, time_replays
 from .int8_attention import capacity_for
+from .measure import backend_settings
 
 
 def case(model, name: str, batch: int, context: int, *, warmup: int, iters: int,
-         seed: int = 0) -> dict:
-    """One (backend, B, C) row: step and attention-only replay times, tokens/s, KV bytes."""
+         seed: int = 0, int8_options: dict | None = None) -> dict:
+    """One (backend, B, C) row: step and attention-only replay times, tokens/s, KV bytes (and
+    the INT8 backend's storage). `int8_options`: make_attention's options of the INT8
+    backends."""
     started = time.perf_counter()
     steps = warmup + iters
     first = max(1, context - steps // 2)
     capacity = capacity_for(first + steps + 1)
     attention = make_attention(name, model.config, batch=batch, capacity=capacity,
-                               dtype=model.dtype, device=model.device)
+                               dtype=model.dtype, device=model.device, **(int8_options or {}))
     graph = only = None
     try:
         attention.fill_random([first] * batch, seed=seed)
@@ -56,7 +60,8 @@ def case(model, name: str, batch: int, context: int, *, warmup: int, iters: int,
             "kv_bytes_per_token": attention.kv_bytes_per_token(),
             "kv_cache_gib": attention.kv_bytes_per_token() * batch * capacity / 2**30,
             "error_flags": flags, "seconds": time.perf_counter() - started,
-            "plan": attention.step.describe() if hasattr(attention, "step") else None}
+            "plan": attention.step.describe() if hasattr(attention, "step") else None,
+            **backend_settings(attention)}
     finally:
         for g in (graph, only):
             if g is not None:
@@ -69,7 +74,7 @@ def case(model, name: str, batch: int, context: int, *, warmup: int, iters: int,
 
 
 def throughput(model, names, batches, contexts, *, warmup: int, iters: int,
-               log=print) -> dict:
+               int8_options: dict | None = None, log=print) -> dict:
     """Every (B, C, backend) case; one failing case is recorded and the rest go on."""
     rows = []
     for batch in batches:
@@ -77,7 +82,8 @@ def throughput(model, names, batches, contexts, *, warmup: int, iters: int,
             for name in names:
                 log(f"  throughput: {name} B={batch} C={context} ...")
                 try:
-                    row = case(model, name, batch, context, warmup=warmup, iters=iters)
+                    row = case(model, name, batch, context, warmup=warmup, iters=iters,
+                               int8_options=int8_options)
                 except Exception as exc:
                     import traceback
                     rows.append({"backend": name, "batch": batch, "context": context,
