@@ -365,6 +365,24 @@ case("extend device guards", multi.test_device_guards_flag_and_write_nothing)
 case("extend bad page ids", multi.test_bad_page_ids_are_never_read)
 
 
+# -- Hadamard keys (key_transform="hadamard": the writers and the q sides) --------------------
+import test_key_transform_gpu as hadamard_keys  # noqa: E402
+
+case("hadamard append d256 bf16 token/fp16 scales",
+     lambda rng, stream: hadamard_keys.test_append_writes_hadamard_keys_bit_exactly(
+         rng, stream, 256, "bfloat16", "token", "float16"))
+case("hadamard prompt d64 paged hnd page 1",
+     lambda rng, stream: hadamard_keys.test_prompt_writes_hadamard_keys_bit_exactly(
+         rng, stream, 64, "hnd", 1))
+case("hadamard fused append neox table, cluster merge",
+     fused([0, 63, 1025], TileConfig(num_warps=8, num_splits=8, min_split_tokens=128,
+                                     cluster=True), rope="neox", table=True,
+           key_transform="hadamard"))
+case("hadamard chunked prefill: prompt chunks, appends, MultiPlan rotate_q d256",
+     lambda rng, stream: multi.test_chunked_prefill_end_to_end_writes_the_append_bytes(
+         rng, stream, "hadamard", 256))
+
+
 # -- driver --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -202,6 +202,9 @@ def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_
     fused = Fused(rng, [7, 300, 2048], rope=rope, table=table, kv_layout=kv_layout,
                   scale_mode=scale_mode, scale_dtype=scale_dtype, key_transform=key_transform)
     c, d = fused.case, fused.device
+    if key_transform != "none" and not rope:  # no RoPE: the caller passes q transformed
+        c.host["q"] = hadamard_rows(c.host["q"]).astype(c.host["q"].dtype)
+        d["q"] = DeviceArray.from_numpy(c.host["q"])
     copies = {name: DeviceArray.from_numpy(c.host[name]) for name in ("k", "v", "k_scale",
                                                                        "v_scale", "q")}
     out, _ = fused.run(stream)
@@ -213,9 +216,6 @@ def test_the_cache_bytes_equal_the_unfused_append(rng, stream, kv_layout, scale_
                    copies["v_scale"], positions, q=copies["q"] if rope else None,
                    cos_sin=d["cos_sin"], advance=True, stream=stream)
         unfused = DeviceArray.empty(d["out"].shape, d["out"].dtype)
-        if key_transform != "none" and not rope:  # append rotates (and transforms) q only
-            copies["q"] = DeviceArray.from_numpy(   # with RoPE: without, the caller does
-                hadamard_rows(c.host["q"]).astype(c.host["q"].dtype))
         fused.plan.run(copies["q"], copies["k"], copies["v"], copies["k_scale"],
                        copies["v_scale"], positions, unfused, stream=stream)
         stream.synchronize()

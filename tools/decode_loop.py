@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-early-reads", action="store_true",
                         help="fused: every layer waits for the previous kernel before reading "
                              "its lengths and cache (DecodeStep(early_reads=False))")
+    parser.add_argument("--key-transform", choices=("none", "hadamard"), default="none",
+                        help="KVCacheSpec key_transform: keys stored as H RoPE(k)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     return parser
@@ -71,7 +73,7 @@ class Loop:
         ps = args.page_size
         self.cache = KVCacheSpec(Hkv, D, kv_layout=args.kv_layout, scale_mode=self.scale_mode,
                                  scale_dtype=self.scale_dtype, rope=self.rope,
-                                 page_size=ps or None)
+                                 page_size=ps or None, key_transform=args.key_transform)
         total = args.context + args.warmup + args.steps
         self.capacity = -(-total // 64) * 64
         self.host_lengths = np.full(B, args.context, np.int32)
@@ -208,13 +210,17 @@ def oracle_error(loop: Loop, state: list[dict[str, np.ndarray]]) -> float:
     """Layer 0's last output against the float64 oracle over the final cache: the last step
     attended exactly the final lengths, with the q it had just rotated (in place unfused; the
     fused kernel rotates a copy of the unchanged q at the last position)."""
+    from lowlevel_fd.quant import hadamard_rows
     from lowlevel_fd.reference import decode_attention_ref, rope_ref
     layer = state[0]
     q = layer["q"].astype(np.float32)
     if loop.step.fused and loop.rope is not None:
         positions = state[-1]["seq_lens"].astype(np.int64) - 1
         table = loop.table.numpy(stream=loop.stream)
-        q = rope_ref(q, positions, style=loop.rope, cos_sin=table).astype(np.float16)
+        q = rope_ref(q, positions, style=loop.rope, cos_sin=table).astype(np.float32)
+        if loop.args.key_transform == "hadamard":  # the kernel transforms the rotated q
+            q = hadamard_rows(q)
+        q = q.astype(np.float16)
     caches = [layer[name] for name in CACHES]
     layout = loop.args.kv_layout
     if loop.args.page_size:
