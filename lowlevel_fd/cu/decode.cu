@@ -192,16 +192,6 @@ decode_split(const __grid_constant__ DecodeParams p) {
                                                         t, end, lane);
     }
   };
-  auto issue = [&](int index, int t) __attribute__((always_inline)) {
-    if constexpr (PAGED) {
-      if (pager.whole)
-        issue_as(BoolTag<true>{}, index, t);
-      else
-        issue_as(BoolTag<false>{}, index, t);
-    } else {
-      issue_as(BoolTag<true>{}, index, t);
-    }
-  };
 
   float acc[kBlocks][G::kMBlocks][4];
 #pragma unroll
@@ -216,13 +206,24 @@ decode_split(const __grid_constant__ DecodeParams p) {
   // [0, 1], no fp16 underflow); acc holds O / v_ref and is rescaled when v_ref changes.
   float v_ref = 1.f;
 
-  // ---- load: STAGES - 1 tiles ahead of the math, per warp ----
-  if constexpr (PAGED)
-    if (first < end) pager.fetch(first, end, lane);
+  // ---- load: STAGES - 1 tiles ahead of the math, per warp (per page path, as the loop) ----
+  auto prologue = [&](auto whole) __attribute__((always_inline)) {
+    if constexpr (PAGED) {
+      if (first < end) pager.template fetch_as<decltype(whole)::value>(first, end, lane);
+    }
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (first + st * kStep < end) issue(st, first + st * kStep);
-    cp_async_commit();  // empty groups keep the group count uniform
+    for (int st = 0; st < STAGES - 1; ++st) {
+      if (first + st * kStep < end) issue_as(whole, st, first + st * kStep);
+      cp_async_commit();  // empty groups keep the group count uniform
+    }
+  };
+  if constexpr (PAGED) {
+    if (pager.whole)
+      prologue(BoolTag<true>{});
+    else
+      prologue(BoolTag<false>{});
+  } else {
+    prologue(BoolTag<true>{});
   }
   if constexpr (APPEND) {  // while the first tiles load: rotate, quantize, write the token
     // The RoPE coefficients go to shared memory first: with early_reads this is still before

@@ -5,7 +5,9 @@
 //    table's latency hides behind a tile of math instead of sitting in front of every copy.
 //  * Pages of >= 16 tokens ("whole": the usual case) hold whole 16-token sub-tiles: one id and
 //    one 64-bit page address per sub-tile, and per row only a lane-constant offset. Smaller
-//    pages look up every row. The two paths are picked per launch (a uniform branch).
+//    pages: each lane loads one token's id and shuffles hand every row its page (head_dim
+//    256: one id load per row). The two paths are picked per launch; the kernel's loop and
+//    prologue are instantiated for each.
 //  * Rows past the sequence's end and rows of bad page ids are zero-filled without a read.
 //  * Per-token scales are copied as the aligned 4-byte word holding them (fp16: either half;
 //    which one is a bit per stage and sub-tile in `selectors`, read by the consumer through a
@@ -28,6 +30,9 @@ struct PagedTiles {
   static constexpr int kLoadsPerSub = kLoads / TILES;   // ... per 16-token sub-tile
   static constexpr int kRowStep = 32 / (HEAD_DIM / 16);  // rows between a lane's chunks
   static constexpr bool kHalfScales = sizeof(ScaleT) == 2;
+  // Small pages: one id per lane, handed to rows by shuffles (one table load per lane and
+  // tile); head_dim 256 keeps one id per row (the shuffles' registers spill a 256 variant).
+  static constexpr bool kShuffleIds = HEAD_DIM != 256;
   const int32_t* table;  // this sequence's row of the block table
   const int8_t *k_head, *v_head;  // the pools at this KV head
   int64_t v_delta;                // v_head - k_head
@@ -40,9 +45,11 @@ struct PagedTiles {
   bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
   int row0, chunk_bytes;   // this lane's first row of a sub-tile, and its chunk's byte offset
   int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
-  int pages[kLoads];       // small pages: the page of each of this lane's rows, next tile
-  int sub_page[TILES];     // whole pages: the page of each sub-tile; small: of this lane's
-                           // scale token (lane % 16 of each sub-tile)
+  int sub_page[TILES];     // whole pages: the page of each sub-tile of the next tile; small
+                           // pages without shuffles: of this lane's scale token
+  int token_page;          // small pages, shuffled ids: the page of token lane % (16 * TILES)
+                           // of the next tile (rows and scale tokens get theirs by a shuffle)
+  int pages[kShuffleIds ? 1 : kLoads];  // small pages, per-row ids: each of this lane's rows
   uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
   bool bad = false;        // a page id out of range was met
 
@@ -87,15 +94,20 @@ struct PagedTiles {
         sub_page[sub] = __ldg(table + (min(t0 + 16 * sub, end - 1) >> shift));
       return;
     }
+    if constexpr (kShuffleIds) {
+      token_page = __ldg(table + (min(t0 + lane % (16 * TILES), end - 1) >> shift));
+    } else {
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int row = (lane + 32 * i) / S::kRowChunks;
-      pages[i] = __ldg(table + (min(t0 + row, end - 1) >> shift));
+      for (int i = 0; i < kLoads; ++i) {
+        const int row = (lane + 32 * i) / S::kRowChunks;
+        pages[i] = __ldg(table + (min(t0 + row, end - 1) >> shift));
+      }
+      if constexpr (TOKEN_SCALES) {
+#pragma unroll
+        for (int sub = 0; sub < TILES; ++sub)
+          sub_page[sub] = __ldg(table + (min(t0 + 16 * sub + lane % 16, end - 1) >> shift));
+      }
     }
-    if constexpr (TOKEN_SCALES)
-#pragma unroll
-      for (int sub = 0; sub < TILES; ++sub)
-        sub_page[sub] = __ldg(table + (min(t0 + 16 * sub + lane % 16, end - 1) >> shift));
   }
 
   // Bytes of this lane's chunk i of a tile past its sub-tile's first slot.
@@ -155,16 +167,21 @@ struct PagedTiles {
     }
   }
 
-  // Pages of fewer than 16 tokens: every row (and scale token) from its own page.
+  // Pages of fewer than 16 tokens: every row (and scale token) from its own page, which the
+  // lane holding that token's id hands over (one table load per lane and tile, not one per
+  // row). Every lane runs every shuffle: the caller's branches are uniform per warp.
   __device__ __forceinline__ void issue_rows(uint32_t stage, int index, int t0, int end,
                                              int lane) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int index_in_tile = lane + 32 * i;
       const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
-      const bool ok = good(pages[i]), live = t0 + row < end;
+      int page;
+      if constexpr (kShuffleIds) page = __shfl_sync(0xffffffffu, token_page, row);
+      else page = pages[i];
+      const bool ok = good(page), live = t0 + row < end;
       bad |= live && !ok;
-      const uint64_t offset = static_cast<unsigned>(ok ? pages[i] : 0) * page_stride +
+      const uint64_t offset = static_cast<unsigned>(ok ? page : 0) * page_stride +
                               static_cast<unsigned>(row_offset(i));
       const int bytes = ok && live ? 16 : 0;
       cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk),
@@ -174,8 +191,11 @@ struct PagedTiles {
     }
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub) {
-      const bool ok = good(sub_page[sub]);
-      issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? sub_page[sub] : 0u, ok);
+      int page;
+      if constexpr (kShuffleIds) page = __shfl_sync(0xffffffffu, token_page, 16 * sub + lane % 16);
+      else page = sub_page[sub];
+      const bool ok = good(page);
+      issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? page : 0u, ok);
     }
   }
 
