@@ -44,9 +44,14 @@ def check_qo_indptr(qo_indptr, total_q: int, seq_lens: np.ndarray) -> np.ndarray
 def multi_token_attention_ref(
     q: np.ndarray, qo_indptr, k_cache: np.ndarray, v_cache: np.ndarray, k_scale, v_scale,
     seq_lens, *, kv_layout: str = "bnsh", scale_mode: str = "token",
-    sm_scale: float | None = None, causal: bool = True,
+    sm_scale: float | None = None, causal: bool = True, tree_mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(out ``[total_q, Hq, D]``, lse ``[total_q, Hq]``) float64, lse the natural log."""
+    """(out ``[total_q, Hq, D]``, lse ``[total_q, Hq]``) float64, lse the natural log.
+
+    ``tree_mask`` (speculative trees): integer ``[total_q, words]``; query i of a chunk sees
+    draft token j of it (position ``seq_len - qo_len + j``) only where bit ``j % 32`` of word
+    ``j // 32`` of its row is set (bits past the words: 0); tokens before the chunk always.
+    A row that sees nothing gives zeros and lse ``-inf``."""
     q = np.asarray(q)
     k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
     batch, num_kv_heads, max_seq_len, head_dim = _cache_dims(k_cache, kv_layout, "k_cache")
@@ -64,14 +69,32 @@ def multi_token_attention_ref(
     q64 = q.astype(np.float64)
     out = np.zeros(q.shape, np.float64)
     lse = np.full(q.shape[:2], -np.inf, np.float64)
+    bits = None
+    if tree_mask is not None:
+        words = np.asarray(tree_mask).astype(np.int64) & 0xFFFFFFFF
+        if words.ndim != 2 or words.shape[0] != q.shape[0]:
+            raise ValueError(f"tree_mask: expected [total_q={q.shape[0]}, words], got "
+                             f"{words.shape}")
+        shifts = np.arange(32 * words.shape[1]) % 32
+        bits = ((words[:, np.arange(32 * words.shape[1]) // 32] >> shifts) & 1).astype(bool)
     for b in range(batch):
         length, first, count = int(lengths[b]), int(indptr[b]), int(indptr[b + 1] - indptr[b])
         if count == 0:
             continue
         k_row = _live_prefix(k_cache, k_scale_b, b, length, kv_layout)
         v_row = _live_prefix(v_cache, v_scale_b, b, length, kv_layout)
+        prefix = length - count
         for i in range(count):
             visible = length - count + i + 1 if causal else length  # >= 1: count <= length
+            tokens = np.arange(visible)
+            if bits is not None:
+                draft = tokens[prefix:] - prefix
+                seen = np.zeros(draft.size, bool)
+                known = draft < bits.shape[1]
+                seen[known] = bits[first + i, draft[known]]
+                tokens = np.concatenate([tokens[:prefix], tokens[prefix:][seen]])
+                if tokens.size == 0:
+                    continue
             out[first + i], lse[first + i] = _softmax_attention(
-                q64[first + i], k_row[:, :visible], v_row[:, :visible], scale)
+                q64[first + i], k_row[:, tokens], v_row[:, tokens], scale)
     return out, lse

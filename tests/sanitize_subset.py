@@ -363,6 +363,14 @@ case("extend rotate q neox table",
 case("extend graph replay", multi.test_graph_replay_follows_new_lengths_and_matches_eager)
 case("extend device guards", multi.test_device_guards_flag_and_write_nothing)
 case("extend bad page ids", multi.test_bad_page_ids_are_never_read)
+import test_tree_mask_gpu as tree  # noqa: E402
+
+case("extend tree mask, arbitrary bits, paged nhd page 1, d256",
+     lambda rng, stream: tree.test_tree_masks_match_the_oracle(
+         rng, stream, 256, "float16", "token", "float16", "nhd", 1, False, True))
+case("extend tree mask, KV splits, split warps",
+     lambda rng, stream: tree.test_tree_masks_under_kv_splits_and_both_warp_layouts(
+         rng, stream, 4, 5))
 
 
 # -- Hadamard keys (key_transform="hadamard": the writers and the q sides) --------------------

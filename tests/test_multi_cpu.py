@@ -136,26 +136,30 @@ def arrays(**overrides):
              v_cache=fake((B, 2, 64, 64), "int8"), k_scale=fake((B, 2, 64), "float32"),
              v_scale=fake((B, 2, 64), "float32"), seq_lens=fake((B,), "int32"),
              qo_indptr=fake((B + 1,), "int32"), out=fake((TOTAL, HQ, 64), "float16"),
-             lse=None, block_table=None, cos_sin=None, rotate_q=False)
+             lse=None, block_table=None, cos_sin=None, rotate_q=False, tree_mask=None)
     a.update(overrides)
     return a
 
 
 def bind(**overrides):
     binder = MultiBinder(SPEC, HQ, "float16", DEVICE)
-    binder.planned(B, TOTAL, 50)
+    binder.planned(B, TOTAL, 50, 40)
     p = MultiParams()
     a = arrays(**overrides)
     binder.bind(p, a["q"], a["k_cache"], a["v_cache"], a["k_scale"], a["v_scale"],
                 a["seq_lens"], a["qo_indptr"], a["out"], a["lse"], a["block_table"],
-                a["cos_sin"], a["rotate_q"])
+                a["cos_sin"], a["rotate_q"], a["tree_mask"])
     return p
 
 
 def test_bind_writes_pointers_and_strides():
     p = bind()
     assert p.q_token_stride == HQ * 64 and p.q_head_stride == 64 and p.capacity == 64
-    assert p.rope == 0 and p.block_table == 0
+    assert p.rope == 0 and p.block_table == 0 and p.tree_mask == 0 and p.tree_words == 0
+    mask = fake((TOTAL, 2), "uint32")
+    p = bind(tree_mask=mask)
+    assert p.tree_mask == mask.ptr and p.tree_words == 2
+    bind(tree_mask=fake((TOTAL, 3), "int32"))  # more words than needed, int32 bits
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -173,6 +177,15 @@ def test_bind_writes_pointers_and_strides():
     ({"rotate_q": True}, r"^rotate_q: the cache spec applies no RoPE"),
     ({"cos_sin": fake((64, 32, 2), "float32")}, r"^cos_sin: only used to rotate q"),
     ({"block_table": fake((B, 4), "int32")}, r"^block_table: the cache spec is contiguous"),
+    ({"tree_mask": fake((TOTAL, 2), "float32")},
+     r"^tree_mask: expected dtype uint32 or int32, got float32$"),
+    ({"tree_mask": fake((TOTAL + 1, 2), "uint32")},
+     r"^tree_mask: expected shape \[total_q, words\]=\(7, '\*'\), got \(8, 2\)$"),
+    ({"tree_mask": fake((TOTAL, 1), "uint32")},
+     r"^tree_mask: expected at least 2 32-bit words per row \(the planned longest chunk has "
+     r"40 tokens\), got 1$"),
+    ({"tree_mask": fake((TOTAL, 2), "uint32", strides=(16, 4))},
+     r"^tree_mask: expected a C-contiguous array, got strides \(16, 4\)$"),
 ])
 def test_bind_rejects_bad_arguments_naming_them(overrides, message):
     error = TypeError if "dtype" in message else ValueError

@@ -73,3 +73,55 @@ def test_bad_qo_indptr_is_rejected(rng, indptr, message):
     with pytest.raises(ValueError, match=message):
         multi_token_attention_ref(rng.standard_normal((3, HQ, D)), indptr, k, v, ks, vs,
                                   [2, 5, 5])
+
+
+# -- speculative trees ---------------------------------------------------------------------------
+def tree_rows(parents: list[int]) -> np.ndarray:
+    """One uint32 word per draft: bits of the draft's ancestors and itself."""
+    rows = np.zeros((len(parents), 1), np.uint32)
+    for i, parent in enumerate(parents):
+        rows[i, 0] = (rows[parent, 0] if parent >= 0 else 0) | (1 << i)
+    return rows
+
+
+def test_a_full_lower_triangle_is_the_causal_mask(rng):
+    k, v, ks, vs = cache(rng)
+    lengths, qo_len = np.array([40, 7, 3]), np.array([5, 7, 0])
+    indptr = np.concatenate([[0], np.cumsum(qo_len)])
+    q = rng.standard_normal((int(indptr[-1]), HQ, D))
+    mask = np.concatenate([tree_rows(list(range(-1, n - 1))) for n in qo_len])  # chains
+    causal, _ = multi_token_attention_ref(q, indptr, k, v, ks, vs, lengths, causal=True)
+    tree, _ = multi_token_attention_ref(q, indptr, k, v, ks, vs, lengths, causal=False,
+                                        tree_mask=mask)
+    np.testing.assert_array_equal(tree, causal)
+
+
+def test_a_tree_row_sees_the_prefix_its_ancestors_and_itself(rng):
+    k, v, ks, vs = cache(rng)
+    lengths, qo_len = np.array([30, 5, 1]), np.array([5, 5, 0])
+    indptr = np.concatenate([[0], np.cumsum(qo_len)])
+    q = rng.standard_normal((int(indptr[-1]), HQ, D))
+    parents = [-1, 0, 0, 1, 2]  # drafts 1 and 2 are siblings; 3 under 1, 4 under 2
+    mask = np.concatenate([tree_rows(parents), tree_rows(parents)])
+    out, lse = multi_token_attention_ref(q, indptr, k, v, ks, vs, lengths, causal=True,
+                                         tree_mask=mask)
+    for b, prefix in ((0, 25), (1, 0)):
+        for i, seen in enumerate(([0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4])):
+            row = indptr[b] + i
+            tokens = list(range(prefix)) + [prefix + j for j in seen]
+            picked = [x[b:b + 1, :, tokens] for x in (k, v, ks, vs)]
+            ref, ref_lse = decode_attention_ref(q[row][None], *picked, [len(tokens)])
+            np.testing.assert_allclose(out[row], ref[0], rtol=0, atol=1e-12)
+            np.testing.assert_allclose(lse[row], ref_lse[0], rtol=0, atol=1e-12)
+
+
+def test_a_row_that_sees_nothing_is_zero_with_lse_minus_infinity(rng):
+    k, v, ks, vs = cache(rng)
+    lengths, indptr = np.array([2, 1, 1]), np.array([0, 2, 2, 2])
+    q = rng.standard_normal((2, HQ, D))
+    mask = np.array([[0], [0b10]], np.uint32)  # row 0 hides itself; row 1 sees only itself
+    out, lse = multi_token_attention_ref(q, indptr, k, v, ks, vs, lengths, causal=False,
+                                         tree_mask=mask)
+    assert not out[0].any() and np.isneginf(lse[0]).all()
+    ref, _ = decode_attention_ref(q[1][None], *(x[0:1, :, 1:2] for x in (k, v, ks, vs)), [1])
+    np.testing.assert_allclose(out[1], ref[0], rtol=0, atol=1e-12)

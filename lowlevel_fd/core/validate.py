@@ -12,7 +12,7 @@ import numpy as np
 from ..driver import Device, DeviceArray, as_device_array, dtypes
 
 _DTYPES = {name: dtypes.as_dtype(name) for name in ("int8", "int32", "float16", "bfloat16",
-                                                     "float32", "uint16")}
+                                                     "float32", "uint16", "uint32")}
 
 
 # -- constructor options -----------------------------------------------------------------------

@@ -11,7 +11,8 @@
 //    scales multiply the score columns; per-token V scales fold into P relative to the largest
 //    V scale seen (P stays in [0, 1]), the output is rescaled when that reference grows;
 //  * causal: a tile's KV range ends at its last row's position; rows mask per element; a warp
-//    skips tiles past its own last row;
+//    skips tiles past its own last row; a tree mask (speculative trees) hides draft columns
+//    per row in the tiles that reach the chunk;
 //  * a tile whose KV range is long next to the grid (short chunks over long prefixes) is cut
 //    into splits; each writes a normalised partial and the last to finish merges them.
 // bf16 queries (and rotated ones) are scaled per row by a power of two into fp16 range.
@@ -202,6 +203,8 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
             const float x = s[mt][j][e] * row_const[mt][hr] * ((e & 1) ? ks[j].y : ks[j].x);
             s[mt][j][e] = col < visible[mt][hr] ? x : kNegInf;
           }
+        if (p.tree_mask != nullptr && t0 + T::kRows > sr.prefix)  // the tile reaches the chunk
+          tree_mask_scores<kNBw>(s[mt], p, sr, w_row0 + 16 * mt + g, t0 + 8 * wk * kNBw + 2 * c);
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           float mx = kNegInf;

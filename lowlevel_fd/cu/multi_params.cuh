@@ -44,9 +44,14 @@ struct MultiParams {
   int64_t scale_token_stride;
   int32_t num_pages;
   int32_t page_shift;
+  // Speculative trees: [total_q, tree_words] bits, or null. Bit j of query row i: draft token j
+  // of the row's chunk (position prefix + j) is visible to it; tokens before the chunk always
+  // are; bits past tree_words words count as 0.
+  const uint32_t* tree_mask;
+  int32_t tree_words;
 };
 
-static_assert(sizeof(MultiParams) == 264, "keep in sync with lowlevel_fd/multi/params.py");
+static_assert(sizeof(MultiParams) == 280, "keep in sync with lowlevel_fd/multi/params.py");
 
 // Sequence b's query rows of a KV head, packed token-major (row r is token r / group, query
 // head kvh * group + r % group), cut into tiles of the kernel's rows per CTA. Device

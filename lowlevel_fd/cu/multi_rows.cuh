@@ -133,6 +133,31 @@ __device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], floa
   }
 }
 
+// Speculative trees (p.tree_mask): a score column of the chunk (draft token d = col - prefix)
+// stays only where bit d of its query row's mask is set; columns before the chunk always stay.
+// s holds rows r_lo (e < 2) and r_lo + 8 at columns col0 + 8 j + (e & 1). Bits are read only
+// inside the row's chunk and its tree_words words (device values may be anything).
+template <int kNBw>
+__device__ __forceinline__ void tree_mask_scores(float (&s)[kNBw][4], const MultiParams& p,
+                                                 const SequenceRows& sr, int r_lo, int col0) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + 8 * hr;
+    if (r >= sr.rows) continue;
+    const uint32_t* bits = p.tree_mask +
+                           static_cast<int64_t>(sr.q0 + r / p.group_size) * p.tree_words;
+#pragma unroll
+    for (int j = 0; j < kNBw; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = col0 + 8 * j + e - sr.prefix;
+        if (d < 0 || d >= sr.qo_len) continue;
+        const bool seen = (d >> 5) < p.tree_words && ((__ldg(bits + (d >> 5)) >> (d & 31)) & 1u);
+        if (!seen) s[j][2 * hr + e] = kNegInf;
+      }
+  }
+}
+
 // Four consecutive output elements of a row.
 template <typename QT>
 __device__ __forceinline__ void store4(void* out, int64_t offset, float a, float b, float c,

@@ -1,8 +1,8 @@
 """Check the arguments of MultiPlan.run and write them into its parameter block.
 
 The cache arrays go through the shared binder (core.binding); this module adds the family's own
-arguments: the packed queries and outputs, the lengths and ``qo_indptr``, the optional LSE and
-RoPE table. Everything is checked before anything is written; a call that repeats the last
+arguments: the packed queries and outputs, the lengths and ``qo_indptr``, the optional LSE,
+RoPE table and tree mask. Everything is checked before anything is written; a call that repeats the last
 validated arrays (pointers, shapes, strides, dtypes) skips the checks.
 """
 from __future__ import annotations
@@ -23,21 +23,24 @@ class MultiBinder:
 
     def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device) -> None:
         self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
-        self.batch = self.total_q = self.longest = 0
+        self.batch = self.total_q = self.longest = self.longest_chunk = 0
         self._validated: tuple = ()
 
-    def planned(self, batch: int, total_q: int, longest: int) -> None:
-        self.batch, self.total_q, self.longest, self._validated = batch, total_q, longest, ()
+    def planned(self, batch: int, total_q: int, longest: int, longest_chunk: int) -> None:
+        self.batch, self.total_q, self.longest = batch, total_q, longest
+        self.longest_chunk, self._validated = longest_chunk, ()
 
     def bind(self, p: MultiParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, qo_indptr: Any, out: Any, lse: Any,
-             block_table: Any, cos_sin: Any, rotate_q: bool) -> None:
+             block_table: Any, cos_sin: Any, rotate_q: bool, tree_mask: Any = None) -> None:
         wrap, device = check.device_array, self.device
         own = (wrap("q", q, device, elements=False), wrap("out", out, device, elements=False),
                wrap("seq_lens", seq_lens, device, elements=False),
                wrap("qo_indptr", qo_indptr, device, elements=False),
                None if lse is None else wrap("lse", lse, device, elements=False),
-               None if cos_sin is None else wrap("cos_sin", cos_sin, device, elements=False))
+               None if cos_sin is None else wrap("cos_sin", cos_sin, device, elements=False),
+               None if tree_mask is None else wrap("tree_mask", tree_mask, device,
+                                                   elements=False))
         cache = wrap_cache(device, k_cache, v_cache, k_scale, v_scale, block_table,
                            elements=False)
         key = (rotate_q, self.batch, self.total_q, self.longest,
@@ -46,7 +49,7 @@ class MultiBinder:
         if key != self._validated:
             self._check(own, cache, rotate_q, cos_sin)
             self._validated = key
-        q_arr, out_arr, lengths, indptr, lse_arr, table = own
+        q_arr, out_arr, lengths, indptr, lse_arr, table, tree = own
         item = q_arr.itemsize
         p.q, p.out, p.seq_lens, p.qo_indptr = q_arr.ptr, out_arr.ptr, lengths.ptr, indptr.ptr
         p.lse = 0 if lse_arr is None else lse_arr.ptr
@@ -58,6 +61,8 @@ class MultiBinder:
         p.key_transform = p.key_transform if rotate_q else 0  # else q arrives transformed
         p.rope_theta = self.spec.rope_theta
         p.cos_sin = 0 if table is None else table.ptr
+        p.tree_mask = 0 if tree is None else tree.ptr
+        p.tree_words = 0 if tree is None else tree.shape[1]
 
     def _rows(self, name: str, array: DeviceArray) -> None:
         """fp16/bf16 ``[total_q, Hq, D]`` in the plan's dtype, rows 16-byte aligned."""
@@ -72,7 +77,7 @@ class MultiBinder:
         check.aligned(name, array, 16, (0, 1))
 
     def _check(self, own: tuple, cache: Any, rotate_q: bool, cos_sin: Any) -> None:
-        q, out, lengths, indptr, lse, _ = own
+        q, out, lengths, indptr, lse, _, tree = own
         self._rows("q", q)
         self._rows("out", out)
         check.no_internal_overlap("out", out)
@@ -97,3 +102,12 @@ class MultiBinder:
         if cos_sin is not None and not rotate_q:
             raise ValueError("cos_sin: only used to rotate q; pass rotate_q=True or drop it")
         rope_table(self.spec, self.device, cos_sin, capacity)
+        if tree is not None:
+            words = -(-self.longest_chunk // 32)
+            check.dtype("tree_mask", tree, ("uint32", "int32"))
+            check.shape("tree_mask", tree, (self.total_q, None), "[total_q, words]")
+            if tree.shape[1] < words:
+                raise ValueError(f"tree_mask: expected at least {words} 32-bit words per row "
+                                 f"(the planned longest chunk has {self.longest_chunk} "
+                                 f"tokens), got {tree.shape[1]}")
+            check.contiguous("tree_mask", tree)

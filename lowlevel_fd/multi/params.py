@@ -20,7 +20,8 @@ class MultiParams(ctypes.Structure):
                 + [("score_scale_log2", ctypes.c_float)]
                 + [(name, ctypes.c_int32) for name in _INTS]
                 + [("rope_theta", ctypes.c_float), ("key_transform", ctypes.c_int32)]
-                + PAGE_FIELDS)
+                + PAGE_FIELDS
+                + [("tree_mask", ctypes.c_uint64), ("tree_words", ctypes.c_int32)])
 
 
-assert ctypes.sizeof(MultiParams) == 264, "must match sizeof(llfd::MultiParams)"
+assert ctypes.sizeof(MultiParams) == 280, "must match sizeof(llfd::MultiParams)"

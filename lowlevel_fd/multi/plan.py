@@ -134,7 +134,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         self._launch = kernel.prepare(LaunchConfig(self._grid, THREADS, shared), p)
-        self._binder.planned(batch, total_q, int(lengths.max()))
+        self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()))
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
             "block": THREADS, "rows_per_cta": rows, "ksplit": ksplit, "max_tiles": tiles,
@@ -166,7 +166,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
             block_table: Any = None, rotate_q: bool = False, cos_sin: Any = None,
-            stream: StreamLike) -> None:
+            tree_mask: Any = None, stream: StreamLike) -> None:
         """out[i, h] = softmax(sm_scale * q[i, h] K^T) V over the tokens query row i sees.
 
         q, out: ``[total_q, Hq, D]`` fp16/bf16 (out may be q itself); caches and scales as
@@ -174,6 +174,10 @@ class MultiPlan(OnCache, CreatedFromOptions):
         and qo_indptr: int32 ``[B + 1]`` on the device; lse: optional fp32 ``[total_q, Hq]``
         (natural log). ``rotate_q``: apply the spec's RoPE to q at the rows' positions first
         (angles from ``cos_sin`` [max_pos, D/2, 2] or ``rope_theta``), as the writers rotate K.
+        ``tree_mask``: speculative trees, uint32/int32 ``[total_q, words]`` on the device (words
+        >= ceil(longest planned chunk / 32)): bit j of row i (word j // 32, bit j % 32) lets
+        query i see draft token j of its chunk; tokens before the chunk stay visible, and a
+        causal plan also hides draft tokens after i. Read at run time (graph-stable).
         Device values outside the plan set ERROR_QUERY_RANGE: a sequence whose qo_indptr
         interval is not monotone, passes total_q or is longer than its KV writes nothing;
         rows past the planned row tiles are not written. A length outside the cache is
@@ -181,7 +185,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         """
         self._require_planned()
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
-                          qo_indptr, out, lse, block_table, cos_sin, rotate_q)
+                          qo_indptr, out, lse, block_table, cos_sin, rotate_q, tree_mask)
         if self._binder.total_q:
             self._launch.launch(stream)  # type: ignore[union-attr]
 
