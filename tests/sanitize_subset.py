@@ -369,8 +369,8 @@ case("extend tree mask, arbitrary bits, paged nhd page 1, d256",
      lambda rng, stream: tree.test_tree_masks_match_the_oracle(
          rng, stream, 256, "float16", "token", "float16", "nhd", 1, False, True))
 case("extend tree mask, KV splits, split warps",
-     lambda rng, stream: tree.test_tree_masks_under_kv_splits_and_both_warp_layouts(
-         rng, stream, 4, 5))
+     lambda rng, stream: tree.test_tree_masks_under_kv_splits_and_row_tiles(
+         rng, stream, 128, 5))
 
 
 # -- Hadamard keys (key_transform="hadamard": the writers and the q sides) --------------------

@@ -143,7 +143,7 @@ def arrays(**overrides):
 
 def bind(**overrides):
     binder = MultiBinder(SPEC, HQ, "float16", DEVICE)
-    binder.planned(B, TOTAL, 50, 40)
+    binder.planned(B, TOTAL, 50, 40, tree=overrides.pop("tree", True))
     p = MultiParams()
     a = arrays(**overrides)
     binder.bind(p, a["q"], a["k_cache"], a["v_cache"], a["k_scale"], a["v_scale"],
@@ -191,6 +191,12 @@ def test_bind_rejects_bad_arguments_naming_them(overrides, message):
     error = TypeError if "dtype" in message else ValueError
     with pytest.raises(error, match=message):
         bind(**overrides)
+
+
+def test_tree_masks_need_a_tree_plan():
+    with pytest.raises(ValueError, match=r"^tree_mask: the plan takes no tree masks; plan with "
+                                         r"plan\(\.\.\., tree=True\)$"):
+        bind(tree=False, tree_mask=fake((TOTAL, 2), "uint32"))
 
 
 def test_out_may_be_q_itself_but_not_overlap_it():

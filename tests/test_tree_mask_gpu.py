@@ -1,7 +1,8 @@
 """MultiPlan with a tree mask (speculative trees) on the GPU against the float64 oracle: random
 draft trees over ragged chunks (empty and one-token chunks, more than 32 drafts), causal and
-not, arbitrary masks, KV splits and both warp layouts, contiguous and paged, a full lower
-triangle bitwise equal to the causal run, and graph replay after the mask is rewritten."""
+not, arbitrary masks, KV splits and several row tiles, contiguous and paged, a full lower
+triangle bitwise equal to the causal run, graph replay after the mask is rewritten, and the
+plan's rules (tree=True picks the split-warp kernel)."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,34 +69,36 @@ def test_tree_masks_match_the_oracle(rng, stream, head_dim, dtype, scale_mode, s
     case.upload(rng)
     mask = tree_mask(rng, QO, 2, arbitrary=arbitrary)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens, causal=causal)
+        plan.plan(case.indptr, case.kv_lens, causal=causal, tree=True)
         case.run(plan, stream, tree_mask=DeviceArray.from_numpy(mask))
         stream.synchronize()
         check(case, mask, causal)
         assert plan.error_flags(stream=stream) == 0
 
 
-@pytest.mark.parametrize("ksplit", [1, 4])
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_tree_masks_under_kv_splits_and_both_warp_layouts(rng, stream, ksplit, splits):
+def test_tree_masks_under_kv_splits_and_row_tiles(rng, stream, head_dim, splits):
+    """Chunks of 8 and 16 drafts x group 4: 2 and 4 row tiles of the split-warp kernel."""
     qo, kv = [8, 16, 3], [4096, 900, 3]
-    case = MultiCase(qo, kv, 32, 8, 128).fill(rng)
+    case = MultiCase(qo, kv, 32, 8, head_dim).fill(rng)
     case.upload(rng)
     mask = tree_mask(rng, qo, 1)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens, num_splits=splits, ksplit=ksplit)
+        plan.plan(case.indptr, case.kv_lens, num_splits=splits, tree=True)
         case.run(plan, stream, tree_mask=DeviceArray.from_numpy(mask))
         stream.synchronize()
         check(case, mask, True)
 
 
 def test_a_full_lower_triangle_is_the_causal_run_bitwise(rng, stream):
+    """The same plan with and without the mask: the tree loop's arithmetic is the plain one's."""
     qo, kv = [5, 33, 1], [700, 33, 64]
     case = MultiCase(qo, kv, 32, 8, 128).fill(rng)
     d = case.upload(rng)
     chains = pack(np.concatenate([np.tri(n, 64, dtype=bool) for n in qo]), 2)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, tree=True)
         case.run(plan, stream)
         stream.synchronize()
         causal = d["out"].numpy().copy()
@@ -110,7 +113,7 @@ def test_graph_replay_follows_a_rewritten_mask(rng, stream):
     d = case.upload(rng)
     mask = DeviceArray.from_numpy(tree_mask(rng, qo, 1))
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, tree=True)
         with capture(stream) as graph:
             case.run(plan, stream, tree_mask=mask)
         for _ in range(3):
@@ -125,3 +128,17 @@ def test_graph_replay_follows_a_rewritten_mask(rng, stream):
             stream.synchronize()
             assert d["out"].numpy().tobytes() == replayed.tobytes()
         graph.close()
+
+
+def test_a_tree_plan_uses_the_split_warp_kernel_and_plain_plans_refuse_masks(rng, stream):
+    case = MultiCase([4], [100], 8, 2, 128).fill(rng)
+    case.upload(rng)
+    mask = DeviceArray.from_numpy(tree_mask(rng, [4], 1))
+    with case.make_plan() as plan:
+        assert plan.plan(case.indptr, case.kv_lens, tree=True).describe()["ksplit"] == 4
+        with pytest.raises(ValueError, match=r"^ksplit: expected one of \(4,\) at head_dim "
+                                             r"128 with tree=True, got 1$"):
+            plan.plan(case.indptr, case.kv_lens, tree=True, ksplit=1)
+        plan.plan(case.indptr, case.kv_lens)
+        with pytest.raises(ValueError, match=r"^tree_mask: the plan takes no tree masks"):
+            case.run(plan, stream, tree_mask=mask)

@@ -23,6 +23,10 @@ namespace llfd {
 
 constexpr int kMultiStages = 3;      // KV tiles in flight
 
+// A compile-time bool as a value: the tile loop is instantiated with and without the tree mask.
+template <bool B>
+struct TreeTag { static constexpr bool value = B; };
+
 // Each warp owns kMT m-blocks of 16 rows (two in most variants): the int8 -> fp16 conversion
 // of a K/V fragment then serves two mmas.
 // KSPLIT: warps per row group, each taking its share of every KV tile (the CTA then owns
@@ -132,8 +136,9 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   float v_ref = kTokenScales ? 0.f : 1.f;
 
   int stage = 0;
-#pragma unroll 1
-  for (int t0 = start; t0 < end; t0 += T::kRows) {
+  // One KV tile; `tree` (TreeTag) applies the tree mask, in the tiles that reach the chunk
+  // only (a branch on it inside the one loop cost 5% of prefill).
+  auto tile_step = [&](auto tree, int t0) __attribute__((always_inline)) {
     cp_async_wait<kMultiStages - 2>();
     loader.widen(smem + stage * T::kBytes, stage);
     __syncthreads();  // the tile is visible; the stage refilled below is free
@@ -203,8 +208,9 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
             const float x = s[mt][j][e] * row_const[mt][hr] * ((e & 1) ? ks[j].y : ks[j].x);
             s[mt][j][e] = col < visible[mt][hr] ? x : kNegInf;
           }
-        if (p.tree_mask != nullptr && t0 + T::kRows > sr.prefix)  // the tile reaches the chunk
+        if constexpr (decltype(tree)::value) {
           tree_mask_scores<kNBw>(s[mt], p, sr, w_row0 + 16 * mt + g, t0 + 8 * wk * kNBw + 2 * c);
+        }
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           float mx = kNegInf;
@@ -296,6 +302,17 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       }
     }
     stage = stage + 1 == kMultiStages ? 0 : stage + 1;
+  };
+  // Tree masks are for draft chunks: the split-warp variants only (MultiPlan.plan(tree=True)
+  // picks them); the whole-tile variants keep one loop (a second copy spilled them).
+  int t0 = start;
+#pragma unroll 1
+  for (; t0 < end && (KSPLIT == 1 || p.tree_mask == nullptr || t0 + T::kRows <= sr.prefix);
+       t0 += T::kRows)
+    tile_step(TreeTag<false>{}, t0);
+  if constexpr (KSPLIT > 1) {
+#pragma unroll 1
+    for (; t0 < end; t0 += T::kRows) tile_step(TreeTag<true>{}, t0);
   }
   cp_async_wait<0>();
   if constexpr (PAGED)

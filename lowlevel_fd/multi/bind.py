@@ -24,11 +24,13 @@ class MultiBinder:
     def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device) -> None:
         self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
         self.batch = self.total_q = self.longest = self.longest_chunk = 0
+        self.tree = False
         self._validated: tuple = ()
 
-    def planned(self, batch: int, total_q: int, longest: int, longest_chunk: int) -> None:
+    def planned(self, batch: int, total_q: int, longest: int, longest_chunk: int,
+                tree: bool = False) -> None:
         self.batch, self.total_q, self.longest = batch, total_q, longest
-        self.longest_chunk, self._validated = longest_chunk, ()
+        self.longest_chunk, self.tree, self._validated = longest_chunk, tree, ()
 
     def bind(self, p: MultiParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, qo_indptr: Any, out: Any, lse: Any,
@@ -103,6 +105,9 @@ class MultiBinder:
             raise ValueError("cos_sin: only used to rotate q; pass rotate_q=True or drop it")
         rope_table(self.spec, self.device, cos_sin, capacity)
         if tree is not None:
+            if not self.tree:
+                raise ValueError("tree_mask: the plan takes no tree masks; plan with "
+                                 "plan(..., tree=True)")
             words = -(-self.longest_chunk // 32)
             check.dtype("tree_mask", tree, ("uint32", "int32"))
             check.shape("tree_mask", tree, (self.total_q, None), "[total_q, words]")

@@ -94,21 +94,27 @@ class MultiPlan(OnCache, CreatedFromOptions):
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
-             num_splits: int | None = None, ksplit: int | None = None) -> "MultiPlan":
+             num_splits: int | None = None, ksplit: int | None = None,
+             tree: bool = False) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
         ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
         ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
-        its warps per 16 query rows (see ``ksplits``)."""
+        its warps per 16 query rows (see ``ksplits``). ``tree``: run() will take tree masks
+        (speculative trees); the plan then uses the split-warp kernel (ksplit > 1), which
+        alone carries the mask."""
         self._require_open()
         check.flag("causal", causal)
+        check.flag("tree", tree)
         if num_splits is not None:  # checked before anything is compiled or loaded
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
+        allowed = ksplits(self.head_dim)[1:] if tree else ksplits(self.head_dim)
         if ksplit is None:
-            ksplit = choose_ksplit(qo_lens, self.group_size, self.head_dim)
-        elif ksplit not in ksplits(self.head_dim):
-            raise ValueError(f"ksplit: expected one of {ksplits(self.head_dim)} at head_dim "
-                             f"{self.head_dim}, got {ksplit!r}")
+            ksplit = (allowed[-1] if tree else
+                      choose_ksplit(qo_lens, self.group_size, self.head_dim))
+        elif ksplit not in allowed:
+            raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
+                             f"{' with tree=True' if tree else ''}, got {ksplit!r}")
         self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit)
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
                              tile_tokens(self.head_dim, ksplit), self.variant.rows_per_cta)
@@ -134,10 +140,11 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         self._launch = kernel.prepare(LaunchConfig(self._grid, THREADS, shared), p)
-        self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()))
+        self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree)
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
-            "block": THREADS, "rows_per_cta": rows, "ksplit": ksplit, "max_tiles": tiles,
+            "block": THREADS, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
+            "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens,
             "tile_tokens": tile_tokens(self.head_dim, ksplit),
             "registers": kernel.num_registers,
@@ -174,8 +181,9 @@ class MultiPlan(OnCache, CreatedFromOptions):
         and qo_indptr: int32 ``[B + 1]`` on the device; lse: optional fp32 ``[total_q, Hq]``
         (natural log). ``rotate_q``: apply the spec's RoPE to q at the rows' positions first
         (angles from ``cos_sin`` [max_pos, D/2, 2] or ``rope_theta``), as the writers rotate K.
-        ``tree_mask``: speculative trees, uint32/int32 ``[total_q, words]`` on the device (words
-        >= ceil(longest planned chunk / 32)): bit j of row i (word j // 32, bit j % 32) lets
+        ``tree_mask`` (a plan made with ``tree=True``): speculative trees, uint32/int32
+        ``[total_q, words]`` on the device (words >= ceil(longest planned chunk / 32)): bit j
+        of row i (word j // 32, bit j % 32) lets
         query i see draft token j of its chunk; tokens before the chunk stay visible, and a
         causal plan also hides draft tokens after i. Read at run time (graph-stable).
         Device values outside the plan set ERROR_QUERY_RANGE: a sequence whose qo_indptr
