@@ -135,8 +135,8 @@ def test_a_tree_plan_uses_the_split_warp_kernel_and_plain_plans_refuse_masks(rng
     case.upload(rng)
     mask = DeviceArray.from_numpy(tree_mask(rng, [4], 1))
     with case.make_plan() as plan:
-        assert plan.plan(case.indptr, case.kv_lens, tree=True).describe()["ksplit"] == 4
-        with pytest.raises(ValueError, match=r"^ksplit: expected one of \(4,\) at head_dim "
+        assert plan.plan(case.indptr, case.kv_lens, tree=True).describe()["ksplit"] == 2
+        with pytest.raises(ValueError, match=r"^ksplit: expected one of \(2,\) at head_dim "
                                              r"128 with tree=True, got 1$"):
             plan.plan(case.indptr, case.kv_lens, tree=True, ksplit=1)
         plan.plan(case.indptr, case.kv_lens)

@@ -31,8 +31,9 @@ struct TreeTag { static constexpr bool value = B; };
 // of a K/V fragment then serves two mmas.
 // KSPLIT: warps per row group, each taking its share of every KV tile (the CTA then owns
 // 4 / KSPLIT row groups). Short chunks (speculative drafts: a few tokens x the group) fill
-// one row group; with KSPLIT 4 all four warps convert and multiply a quarter of each tile and
-// the CTA merges them at the end, so a CTA streams its KV four times as fast.
+// one or two row groups; with KSPLIT 2 (4 at head_dim 64) the warps of a group convert and
+// multiply their half (quarter) of each tile and the CTA merges them at the end, so a row
+// group streams its KV two (four) times as fast.
 template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED, int KSPLIT>
 __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ MultiParams p) {
   static_assert(KSPLIT == 1 || KSPLIT == 2 || KSPLIT == 4, "1, 2 or 4 warps per row group");

@@ -51,7 +51,9 @@ def choose_splits(work: MultiWorkload, sm_count: int, ctas_per_sm: int) -> tuple
     ``ctas_per_sm`` CTAs each. A grid below one wave of resident CTAs is split as far as it
     still fits one wave (a partial second wave costs a whole split's time: B=8, 8 drafts,
     S=4096: 3 splits, 384 CTAs, 52.8 us; 4 splits, 512 CTAs, 62.2 us); a larger grid aims at
-    WAVES waves. Never below MIN_SPLIT_TILES tiles per split."""
+    WAVES waves, rounded (B=64, 4 and 8 drafts, 512 CTAs in 264 slots: unsplit 193.8 / 236.8
+    us, 2 splits 216.4 / 262.0; 512 in 396 slots: 2 splits, as m2 measured). Never below
+    MIN_SPLIT_TILES tiles per split."""
     min_tokens = MIN_SPLIT_TILES * work.tile_tokens
     ctas = int(work.tiles.sum()) * work.num_kv_heads
     longest = int(work.kv_lens.max()) if work.kv_lens.size else 0
@@ -59,15 +61,15 @@ def choose_splits(work: MultiWorkload, sm_count: int, ctas_per_sm: int) -> tuple
     if ctas == 0 or longest <= min_tokens:
         return 1, min_tokens
     by_length = -(-longest // min_tokens)
-    wanted = slots // ctas if ctas < slots else -(-WAVES * slots // ctas)
+    wanted = slots // ctas if ctas < slots else round(WAVES * slots / ctas)
     return max(1, min(MAX_SPLITS, wanted, by_length)), min_tokens
 
 
 def choose_ksplit(qo_lens: np.ndarray, group_size: int, head_dim: int) -> int:
     """Warps per row group: when every sequence's rows of a KV head (qo_len x group) fit in 32,
-    the CTA's four warps share each KV tile instead of idling (4, CTAs of 16 rows; 2 at head_dim
-    256, whose tiles are 32 tokens, CTAs of 32 rows); else every warp takes whole tiles."""
+    the CTA's warps share each KV tile instead of idling (variants.ksplits: 2, CTAs of 32 rows,
+    at head_dim 128 and 256; 4, CTAs of 16 rows, at 64); else every warp takes whole tiles."""
     rows = int(qo_lens.max()) * group_size if qo_lens.size else 0
     if rows <= 32:
-        return 2 if head_dim == 256 else 4
+        return 4 if head_dim == 64 else 2
     return 1

@@ -21,9 +21,11 @@ def tile_tokens(head_dim: int, ksplit: int = 1) -> int:
 
 
 def ksplits(head_dim: int) -> tuple[int, ...]:
-    """The KSPLIT values shipped: 1 (every warp its own rows) and the most warps per row group
-    whose share of a tile is still 16 tokens (4; 2 at head_dim 256, whose tiles are 32)."""
-    return (1, 2) if head_dim == 256 else (1, 4)
+    """The KSPLIT values shipped: 1 (every warp its own rows) and one split-warp layout: 2 at
+    head_dim 256 (32-token tiles: a warp's share is 16 tokens) and 128 (CTAs of 32 rows, each
+    warp half of a 64-token tile: measured faster than 4 warps on 16 rows, PERF_NOTES m10),
+    4 at head_dim 64."""
+    return (1, 4) if head_dim == 64 else (1, 2)
 
 
 @dataclass(frozen=True)
