@@ -170,4 +170,9 @@ def hadamard(head_dim: int) -> np.ndarray:
     float32: entry (i, j) is ``(-1) ** popcount(i & j) / sqrt(head_dim)``. A cache with
     ``key_transform="hadamard"`` stores ``H @ RoPE(k)``; pass ``RoPE(q) @ H`` where the caller
     rotates q itself (``DecodePlan.run``, ``MultiPlan.run(rotate_q=False)``)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)):
+        raise TypeError(f"head_dim: expected an int, got {type(head_dim).__name__} "
+                        f"{head_dim!r}")
+    if head_dim not in _HADAMARD_NORM:
+        raise ValueError(f"head_dim: expected one of {sorted(_HADAMARD_NORM)}, got {head_dim}")
     return hadamard_rows(np.eye(int(head_dim), dtype=np.float32))

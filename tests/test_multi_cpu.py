@@ -75,6 +75,9 @@ def test_constructor_takes_a_spec():
     ({"num_splits": 0}, ValueError, r"^num_splits: expected an int in \[1, 33\), got 0$"),
     ({"num_splits": 33}, ValueError, r"^num_splits: expected an int in \[1, 33\), got 33$"),
     ({"ksplit": 3}, ValueError, r"^ksplit: expected one of \(1, 2\) at head_dim 128, got 3$"),
+    ({"tree": 1}, TypeError, r"^tree: expected a bool, got int 1$"),
+    ({"tree": True, "ksplit": 1}, ValueError,
+     r"^ksplit: expected one of \(2,\) at head_dim 128 with tree=True, got 1$"),
 ])
 def test_plan_rejects_bad_options_before_loading(options, error, message):
     # A stand-in device: reaching the compiler or the driver would fail differently.

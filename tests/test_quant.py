@@ -285,6 +285,16 @@ def test_hadamard_rows_is_the_fp32_butterfly(head_dim):
     np.testing.assert_allclose(got, x @ hadamard(head_dim), atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim, error, message", [
+    (32, ValueError, r"^head_dim: expected one of \[64, 128, 256\], got 32$"),
+    (128.0, TypeError, r"^head_dim: expected an int, got float 128.0$"),
+    (True, TypeError, r"^head_dim: expected an int, got bool True$"),
+])
+def test_hadamard_names_a_bad_head_dim(head_dim, error, message):
+    with pytest.raises(error, match=message):
+        hadamard(head_dim)
+
+
 def test_hadamard_rows_rejects_other_head_dims():
     with pytest.raises(ValueError, match=r"^x: expected a last dimension in \[64, 128, 256\], "
                                          r"got 32$"):
