@@ -138,7 +138,8 @@ def test_backend_name_variants_set_int8_options():
     assert split_name("sdpa-fp32") == ("sdpa-fp32", {})
     assert split_name("int8-token-fp32+hadamard") == (
         "int8-token-fp32", {"key_transform": "hadamard"})
-    for bad in ("sdpa-fp16+hadamard", "sdpa-fp16+hnd", "int8-head+flash", "int8-head+", "int8-page+nhd"):
+    for bad in ("sdpa-fp16+hadamard", "sdpa-fp16+hnd", "int8-head+flash", "int8-head+",
+                "int8-page+nhd"):
         with pytest.raises(ValueError, match="name: expected one of"):
             split_name(bad)
 

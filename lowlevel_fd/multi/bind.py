@@ -2,8 +2,8 @@
 
 The cache arrays go through the shared binder (core.binding); this module adds the family's own
 arguments: the packed queries and outputs, the lengths and ``qo_indptr``, the optional LSE,
-RoPE table and tree mask. Everything is checked before anything is written; a call that repeats the last
-validated arrays (pointers, shapes, strides, dtypes) skips the checks.
+RoPE table and tree mask. Everything is checked before anything is written; a call that
+repeats the last validated arrays (pointers, shapes, strides, dtypes) skips the checks.
 """
 from __future__ import annotations
 

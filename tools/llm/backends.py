@@ -8,7 +8,7 @@
     int8-tensor      ... one fp32 scale per layer for K and one for V (calibrated on the prompt)
 
 The INT8 backends take their storage and prefill from keyword options (`make_attention(...,
-storage=, page_size=, page_seed=, prefill=)`; defaults: pages of 16 tokens in "nhd" order,
+storage=, page_size=, page_seed=, prefill=)`; defaults: pages of 16 tokens in "hnd" order,
 the prompt attended by the library's MultiPlan). A name may end in a variant suffix
 (VARIANTS): `int8-head+sdpa-prefill` is int8-head with the prompt attended in torch SDPA.
 """

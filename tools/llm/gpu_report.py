@@ -4,8 +4,8 @@ throughput, written as JSON and markdown to --out and printed.
 
     PYTHONPATH=.:tools python3 tools/llm/gpu_report.py --out results/llm [--quick]
 
-The INT8 caches live in pages (`--storage nhd`, `--page-size 16`: pages in a seeded random
-physical order behind one block table) or contiguous (`--storage contiguous`); the prompt's
+The INT8 caches live in pages (`--storage hnd` by default or `nhd`, `--page-size 16`: pages
+in a seeded random physical order behind one block table) or contiguous (`--storage contiguous`); the prompt's
 attention runs in the library's MultiPlan over the INT8 cache (`--prefill multi`), in torch
 SDPA over the un-quantized K/V (`sdpa`), or both (`both`: every INT8 backend also as
 `<name>+sdpa-prefill` in the accuracy and generation sections).

@@ -3,11 +3,13 @@ the library's multi-token attention over that cache, every decode step's RoPE, q
 append and attention in one `append_and_run` launch per layer.
 
 - The cache (int8_storage.py): per layer int8 K and V, contiguous (`"contiguous"`: `[B, Hkv,
-  S_max, D]`, `kv_layout="bnsh"`) or in pages (`"nhd"`, the default, or `"hnd"`, `page_size`
+  S_max, D]`, `kv_layout="bnsh"`) or in pages (`"hnd"`, the default, or `"nhd"`, `page_size`
   tokens a page, 16 by default) that one device block table, shared by every layer, assigns
   to the sequences in a seeded random physical order; keys stored rotated (`rope="neox"`).
   Scales: per token (`"token"`, fp32 or fp16, laid out as the cache), per KV head
-  (`"head"`) or per tensor (`"tensor"`).
+  (`"head"`) or per tensor (`"tensor"`). `key_transform="hadamard"` stores the keys as
+  H RoPE(k) (the library transforms k and q in its kernels; static scales are calibrated on
+  the transformed keys).
 - The prompt goes into the cache through the library's append path: `PromptQuantizer` takes
   the un-rotated prompt K/V (`[B, T, Hkv, D]`) and the block table, rotates K and quantizes
   both (per-token scales computed in the kernel).
