@@ -103,9 +103,10 @@ def _compile_batch(variants: Sequence[Any], arch: str) -> CompiledProgram | Comp
     """One NVRTC run for the kernels of several programs of one source (no compile cache)."""
     source = variants[0].source
     names = [name for variant in variants for name in variant.kernel_names]
+    target = getattr(variants[0], "target_arch", lambda a: a)(arch)  # e.g. sm_90a for wgmma
     try:
         return compile_source((KERNEL_DIR / source).read_text(), source,
-                              CompileOptions(arch=arch), names)
+                              CompileOptions(arch=target), names)
     except CompileError as exc:
         return exc
 
@@ -139,7 +140,8 @@ def compile_families(families: Sequence[KernelFamily], arch: str,
     print one row per kernel, and return 1 if any kernel failed, spilled or needed a stack
     frame. ``batch`` 0: each program on its own, into the compile cache; else up to ``batch``
     programs of one source per NVRTC run (their ``source``), outside the cache."""
-    jobs = [(family, variant) for family in families for variant in family.variants(num_warps)]
+    jobs = [(family, variant) for family in families for variant in family.variants(num_warps)
+            if getattr(variant, "builds_for", lambda _: True)(arch)]
     print(f"compiling {len(jobs)} programs ({', '.join(f.name for f in families)}) for {arch}",
           flush=True)
     start = time.perf_counter()

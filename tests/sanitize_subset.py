@@ -359,8 +359,16 @@ case("extend group 5, group 71", lambda rng, stream: (
     multi.test_every_group_size(rng, stream, 5, 1), multi.test_every_group_size(rng, stream,
                                                                                71, 1)))
 case("extend rotate q neox table",
-     lambda rng, stream: multi.test_rotate_q_at_the_rows_positions(rng, stream, "neox", True))
-case("extend graph replay", multi.test_graph_replay_follows_new_lengths_and_matches_eager)
+     lambda rng, stream: multi.test_rotate_q_at_the_rows_positions(rng, stream, "neox", True,
+                                                                    False))
+case("extend graph replay",
+     lambda rng, stream: multi.test_graph_replay_follows_new_lengths_and_matches_eager(
+         rng, stream, False))
+case("extend wgmma: rotate q gptj, graph replay, negative scale (sm_90)",
+     lambda rng, stream: multi.wgmma_choices()[-1] and (
+         multi.test_rotate_q_at_the_rows_positions(rng, stream, "gptj", False, True),
+         multi.test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, True),
+         multi.test_any_sign_of_the_score_scale(rng, stream, True, -0.1, 1.0)))
 case("extend device guards", multi.test_device_guards_flag_and_write_nothing)
 case("extend bad page ids", multi.test_bad_page_ids_are_never_read)
 import test_tree_mask_gpu as tree  # noqa: E402

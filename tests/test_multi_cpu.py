@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stand_ins import DEVICE, fake
+from stand_ins import DEVICE, StandInDevice, fake
 
 from lowlevel_fd import KVCacheSpec, MultiPlan
 from lowlevel_fd.core import support
@@ -78,12 +78,65 @@ def test_constructor_takes_a_spec():
     ({"tree": 1}, TypeError, r"^tree: expected a bool, got int 1$"),
     ({"tree": True, "ksplit": 1}, ValueError,
      r"^ksplit: expected one of \(2,\) at head_dim 128 with tree=True, got 1$"),
+    ({"wgmma": 1}, TypeError, r"^wgmma: expected a bool, got int 1$"),
+    ({"wgmma": True, "ksplit": 2}, ValueError,
+     r"^wgmma: the warpgroup-MMA kernel takes whole tiles \(ksplit 1, no tree masks\), got "
+     r"ksplit 2, tree=False$"),
+    ({"wgmma": True, "tree": True}, ValueError,
+     r"^wgmma: the warpgroup-MMA kernel takes whole tiles \(ksplit 1, no tree masks\), got "
+     r"ksplit 2, tree=True$"),
 ])
 def test_plan_rejects_bad_options_before_loading(options, error, message):
     # A stand-in device: reaching the compiler or the driver would fail differently.
     plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=DEVICE)
     with pytest.raises(error, match=message):
         plan.plan([0, 2], [5], **options)
+
+
+def device_of(arch: str) -> StandInDevice:
+    device = StandInDevice(0)
+    device.arch = arch
+    return device
+
+
+@pytest.mark.parametrize("arch, head_dim", [("sm_80", 128), ("sm_100", 64), ("sm_90", 256)])
+def test_wgmma_needs_hopper_and_head_dim_64_or_128(arch, head_dim):
+    device = device_of(arch)
+    plan = MultiPlan.create(32, 8, head_dim, max_batch=2, max_seq_len=64, device=device)
+    with pytest.raises(ValueError, match=rf"^wgmma: the warpgroup-MMA kernel needs an sm_90 "
+                                         rf"device and head_dim 64 or 128, got {arch} and "
+                                         rf"head_dim {head_dim}$"):
+        plan.plan([0, 2], [5], wgmma=True)
+
+
+@pytest.mark.parametrize("arch, head_dim, qo, tree, expected", [
+    ("sm_90", 128, 100, False, True), ("sm_90", 64, 100, False, True),
+    ("sm_90a", 128, 100, False, True),
+    ("sm_90", 128, 4, False, False),   # 16 rows: split warps
+    ("sm_90", 128, 100, True, False),  # tree masks: split warps
+    ("sm_90", 256, 100, False, False), ("sm_80", 128, 100, False, False),
+    ("sm_100", 128, 100, False, False),
+])
+def test_the_planner_picks_wgmma_for_whole_tiles_on_hopper(arch, head_dim, qo, tree, expected):
+    plan = MultiPlan.create(32, 8, head_dim, max_batch=2, max_seq_len=64,
+                            device=device_of(arch))
+    ksplit = 2 if head_dim != 64 else 4
+    chosen = 1 if qo * 4 > 32 and not tree else ksplit
+    assert plan._wgmma_choice(None, chosen, tree) is expected
+
+
+def test_wgmma_variants_build_for_hopper_only():
+    variant = MultiVariant(128, wgmma=True)
+    assert variant.builds_for("sm_90") and variant.builds_for("sm_90a")
+    assert not variant.builds_for("sm_80") and not variant.builds_for("sm_100")
+    assert variant.target_arch("sm_90") == "sm_90a"
+    assert MultiVariant(128).target_arch("sm_80") == "sm_80"
+    with pytest.raises(ValueError, match=r"^arch: the wgmma kernel needs sm_90, got 'sm_80'$"):
+        variant.target_arch("sm_80")
+    with pytest.raises(ValueError, match=r"^the wgmma kernel takes ksplit 1 and head_dim"):
+        MultiVariant(256, wgmma=True)
+    with pytest.raises(ValueError, match=r"^the wgmma kernel takes ksplit 1 and head_dim"):
+        MultiVariant(128, ksplit=2, wgmma=True)
 
 
 def test_run_needs_a_plan_and_an_open_plan():
@@ -231,12 +284,28 @@ def test_error_bits_match_the_header():
 
 def test_shipped_variants_cover_the_matrix():
     variants = list(shipped_variants())
-    keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit)
+    keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit, v.wgmma)
             for v in variants}
-    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2
+    # mma.sync: 3 head dims x 2 dtypes x 4 scale configurations x 2 storages x 2 KSPLITs;
+    # wgmma: head_dim 64 and 128 x 2 x 4 x 2
+    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2
     for v in variants:
+        assert v.shared_bytes <= 227 * 1024
+        if v.wgmma:
+            assert v.rows_per_cta == 128 and v.threads == 256 and v.tile_tokens == 64
+            assert v.source == "multi_wg.cu"
+            assert re.fullmatch(r"llfd::multi_attend_wg<(64|128), \d, llfd::(f16|bf16), "
+                                r"(float|uint16_t), (true|false)>", v.kernel)
+            continue
         one_block = v.head_dim == 256 or v.ksplit > 1
         assert v.rows_per_cta == 16 * (1 if one_block else 2) * 4 // v.ksplit
-        assert v.shared_bytes <= 227 * 1024
+        assert v.threads == 128 and v.source == "multi.cu"
         assert re.fullmatch(r"llfd::multi_attend<\d+, \d, llfd::(f16|bf16), (float|uint16_t), "
                             r"(true|false), [124]>", v.kernel)
+
+
+def test_wgmma_shared_memory_matches_the_layout():
+    """WgLayout (multi_wg.cu): three 1 KB-aligned int8 stages, three widened tiles, two
+    warpgroups' fp16 Q, 1 KB of alignment slack."""
+    assert MultiVariant(128, wgmma=True).shared_bytes == 3 * 17408 + 3 * 33792 + 32768 + 1024
+    assert MultiVariant(64, wgmma=True).shared_bytes == 3 * 9216 + 3 * 17408 + 16384 + 1024

@@ -12,8 +12,8 @@ from multi_case import TOLERANCE, MultiCase, relative_error
 
 from lowlevel_fd import ERROR_BAD_PAGE, ERROR_OUTSIDE_CACHE, ERROR_QUERY_RANGE
 from lowlevel_fd.append.reference import rotate
-from lowlevel_fd.driver import DeviceArray, capture
-from lowlevel_fd.multi.variants import ksplits
+from lowlevel_fd.driver import Device, DeviceArray, capture
+from lowlevel_fd.multi.variants import ksplits, wgmma_available
 
 pytestmark = pytest.mark.gpu
 
@@ -24,6 +24,19 @@ LAYOUTS = [("bnsh", None), ("bsnh", None), ("nhd", 16), ("hnd", 1), ("hnd", 64)]
 # (qo_len = kv_len) over page and tile edges, a short chunk over a longer prefix.
 QO = [1, 5, 0, 70, 17]
 KV = [1, 37, 10, 70, 300]
+
+
+def kernels(head_dim: int) -> list[tuple[int, bool]]:
+    """(ksplit, wgmma) of every kernel a plan may pick at this head_dim on this device."""
+    picks = [(ksplit, False) for ksplit in ksplits(head_dim)]
+    if wgmma_available(Device(0).arch, head_dim):
+        picks.append((1, True))
+    return picks
+
+
+def wgmma_choices() -> list[bool]:
+    """Both kernels for whole-tile chunks where the device has the warpgroup one."""
+    return [False, True] if wgmma_available(Device(0).arch, 128) else [False]
 
 
 def check(case: MultiCase, *, causal: bool = True, q: np.ndarray | None = None) -> None:
@@ -44,9 +57,9 @@ def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, sca
     case = MultiCase(QO, KV, 8, 2, head_dim, layout, page_size, scale_mode, scale_dtype,
                      dtype).fill(rng)
     case.upload(rng)
-    for causal, ksplit in itertools.product((True, False), ksplits(head_dim)):
+    for causal, (ksplit, wgmma) in itertools.product((True, False), kernels(head_dim)):
         with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, causal=causal, ksplit=ksplit)
+            plan.plan(case.indptr, case.kv_lens, causal=causal, ksplit=ksplit, wgmma=wgmma)
             case.run(plan, stream)
             stream.synchronize()
             check(case, causal=causal)
@@ -58,9 +71,9 @@ def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, sca
 def test_every_group_size(rng, stream, num_q_heads, num_kv_heads):
     case = MultiCase([3, 1, 40], [200, 1, 40], num_q_heads, num_kv_heads).fill(rng)
     case.upload(rng)
-    for ksplit in ksplits(128):
+    for ksplit, wgmma in kernels(128):
         with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, ksplit=ksplit)
+            plan.plan(case.indptr, case.kv_lens, ksplit=ksplit, wgmma=wgmma)
             case.run(plan, stream)
             stream.synchronize()
             check(case)
@@ -107,7 +120,8 @@ def test_long_prefill_rows_match_the_oracle(rng, stream):
 
 @pytest.mark.parametrize("rope", ["neox", "gptj"])
 @pytest.mark.parametrize("table", [False, True])
-def test_rotate_q_at_the_rows_positions(rng, stream, rope, table):
+@pytest.mark.parametrize("wgmma", wgmma_choices())
+def test_rotate_q_at_the_rows_positions(rng, stream, rope, table, wgmma):
     from lowlevel_fd.reference import rope_table
     case = MultiCase([7, 64], [50, 64], 8, 2, 128).fill(rng)
     d = case.upload(rng)
@@ -115,19 +129,20 @@ def test_rotate_q_at_the_rows_positions(rng, stream, rope, table):
     positions = np.concatenate([np.arange(43, 50), np.arange(64)])
     rotated = rotate(case.host["q"], positions, rope)
     with case.make_plan(rope=rope) as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, wgmma=wgmma)
         case.run(plan, stream, rotate_q=True, cos_sin=cos_sin)
         stream.synchronize()
         check(case, q=rotated)
     assert d["q"].numpy().tobytes() == case.host["q"].tobytes()  # q itself is not modified
 
 
-def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream):
+@pytest.mark.parametrize("wgmma", wgmma_choices())
+def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, wgmma):
     case = MultiCase([4, 4, 4], [900, 300, 40], 32, 8, 128, capacity=1024).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
         # ksplit 1: 128 rows per tile, room for 32 tokens x the group (4) per sequence
-        plan.plan(case.indptr, [1024, 1024, 1024], ksplit=1)
+        plan.plan(case.indptr, [1024, 1024, 1024], ksplit=1, wgmma=wgmma)
         with capture(stream) as graph:
             case.run(plan, stream)
         for qo, kv in (([4, 4, 4], [900, 300, 40]), ([1, 8, 3], [1024, 8, 3]),
@@ -146,6 +161,25 @@ def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream):
             assert d["out"].numpy().tobytes() == replayed.tobytes()
         graph.close()
         assert plan.error_flags(stream=stream) == 0
+
+
+@pytest.mark.parametrize("wgmma", wgmma_choices())
+@pytest.mark.parametrize("sm_scale, k_scale", [(-0.1, 1.0), (0.1, -1.0), (0.1, 0.0),
+                                               (-0.05, -2.0)])
+def test_any_sign_of_the_score_scale(rng, stream, wgmma, sm_scale, k_scale):
+    """A negative sm_scale or per-head K scale, or a zero one, against the oracle (the
+    warpgroup kernel takes the row maximum before the scale: it flips q's sign instead)."""
+    case = MultiCase([70, 33], [200, 33], 8, 2, 128, scale_mode="head").fill(rng)
+    case.host["k_scale"] = (case.host["k_scale"] * np.float32(k_scale)).astype(np.float32)
+    case.upload(rng)
+    with case.make_plan(sm_scale=sm_scale) as plan:
+        plan.plan(case.indptr, case.kv_lens, ksplit=1, wgmma=wgmma)
+        case.run(plan, stream)
+        stream.synchronize()
+    ref_out, ref_lse = case.reference(sm_scale=sm_scale)
+    out = case.device["out"].numpy()
+    assert relative_error(out, ref_out) <= TOLERANCE["float16"]
+    np.testing.assert_allclose(case.device["lse"].numpy(), ref_lse, rtol=0, atol=2e-3)
 
 
 def test_device_guards_flag_and_write_nothing(rng, stream):

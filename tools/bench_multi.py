@@ -62,7 +62,7 @@ def sdpa_row(args, kind: str, qo: int, kv: int, seed: int) -> dict:
     outs = [torch.full_like(q, float("nan")) for q in qs]  # rows the kernel misses stay NaN
     lens = torch.tensor([kv], dtype=torch.int32, device="cuda")
     indptr = torch.tensor([0, qo], dtype=torch.int32, device="cuda")
-    plan = multi_plan(1, kv).plan([0, qo], [kv])
+    plan = multi_plan(1, kv).plan([0, qo], [kv], wgmma=args.wgmma)
 
     def step():
         for q, cache, out in zip(qs, caches, outs):
@@ -132,7 +132,7 @@ def verify_rows(args, rows: list) -> None:
         add_rates(dec, nbytes=kv_bytes, bandwidth_gbps=bw)
         for qo in args.verify_q:
             indptr_host = [qo * b for b in range(B + 1)]
-            plan = multi_plan(B, S).plan(indptr_host, [S] * B, causal=True)
+            plan = multi_plan(B, S).plan(indptr_host, [S] * B, causal=True, wgmma=args.wgmma)
             q = torch.randn((B * qo, HQ, D), dtype=torch.float16, device="cuda")
             out = torch.empty_like(q)
             indptr = torch.tensor(indptr_host, dtype=torch.int32, device="cuda")
@@ -195,10 +195,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default="prefill,chunk,verify")
     parser.add_argument("--sweep-splits", default="",
                         help="verify rows: also time these KV splits (comma list) x ksplit 1/4")
+    parser.add_argument("--wgmma", choices=("auto", "on", "off"), default="auto",
+                        help="the Hopper warpgroup-MMA kernel: the planner's choice, forced, "
+                             "or off (mma.sync)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print each row's layers and bytes per replay and exit (no GPU)")
     args = parser.parse_args(argv)
     args.iters, args.warmup = (10, 2) if args.quick else (50, 5)
+    args.wgmma = {"auto": None, "on": True, "off": False}[args.wgmma]
     args.sweep_splits = [int(x) for x in args.sweep_splits.split(",") if x]
     args.prefill = [4096, 8192, 16384]
     args.prefix = [16384, 32768]

@@ -11,7 +11,7 @@ from lowlevel_fd.multi import shipped_variants
 
 def main() -> int:
     arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90"
-    variants = list(shipped_variants())
+    variants = [v for v in shipped_variants() if v.builds_for(arch)]
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda v: v.compile(arch), variants))
     print(f"compiled {len(variants)} multi-token programs for {arch}")

@@ -20,7 +20,7 @@
 
 namespace llfd {
 
-template <int HEAD_DIM, int ROWS>
+template <int HEAD_DIM, int ROWS, int THREADS = 128>
 struct MultiTile {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64/128/256");
   static_assert(ROWS == 32 || ROWS == 64, "32 or 64 KV tokens per tile");
@@ -29,7 +29,7 @@ struct MultiTile {
   static constexpr int kK = 0, kV = kRows * HEAD_DIM, kKScale = 2 * kRows * HEAD_DIM;
   static constexpr int kVScale = kKScale + 4 * kRows;
   static constexpr int kBytes = kVScale + 4 * kRows;
-  static constexpr int kThreads = 128;
+  static constexpr int kThreads = THREADS;  // the CTA's threads, each issuing its share
   static constexpr int kLoads = kRows * kRowChunks / kThreads;  // chunks per thread and tensor
   static constexpr int kRowStep = kThreads / kRowChunks;        // rows between them
 
@@ -49,9 +49,10 @@ struct MultiTile {
 // The loader keeps only the sequence, the head and its page ids in registers: every base and
 // stride is read from the parameter block (constant memory) where it is used, so that the
 // loop's registers go to the accumulators (cached strides made eight variants spill).
-template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, typename ScaleT, bool PAGED>
+template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, typename ScaleT, bool PAGED,
+          int THREADS = 128>
 struct TileLoader {
-  using T = MultiTile<HEAD_DIM, ROWS>;
+  using T = MultiTile<HEAD_DIM, ROWS, THREADS>;
   static constexpr int64_t kScaleBytes = sizeof(ScaleT);
   int b, kvh;
   int pages[T::kLoads];    // paged: the next tile's page of each of this thread's rows

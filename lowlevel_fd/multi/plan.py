@@ -18,7 +18,7 @@ from ..driver.stream import StreamLike
 from .bind import MultiBinder
 from .params import MultiParams
 from .planner import MAX_SPLITS, MultiWorkload, choose_ksplit, choose_splits
-from .variants import THREADS, MultiVariant, ksplits, tile_tokens
+from .variants import MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
 MAX_GRID_Z = 65535  # the batch is grid.z
@@ -95,33 +95,39 @@ class MultiPlan(OnCache, CreatedFromOptions):
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
              num_splits: int | None = None, ksplit: int | None = None,
-             tree: bool = False) -> "MultiPlan":
+             tree: bool = False, wgmma: bool | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
         ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
         ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
         its warps per 16 query rows (see ``ksplits``). ``tree``: run() will take tree masks
         (speculative trees); the plan then uses the split-warp kernel (ksplit > 1), which
-        alone carries the mask."""
+        alone carries the mask. ``wgmma``: force (True) or forbid (False) the Hopper
+        warpgroup-MMA kernel (sm_90, head_dim 64/128, whole tiles per warpgroup); None lets
+        the planner pick it wherever it applies."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
+        if wgmma is not None:
+            check.flag("wgmma", wgmma)
         if num_splits is not None:  # checked before anything is compiled or loaded
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
         allowed = ksplits(self.head_dim)[1:] if tree else ksplits(self.head_dim)
         if ksplit is None:
-            ksplit = (allowed[-1] if tree else
+            ksplit = (allowed[-1] if tree else 1 if wgmma else
                       choose_ksplit(qo_lens, self.group_size, self.head_dim))
         elif ksplit not in allowed:
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
                              f"{' with tree=True' if tree else ''}, got {ksplit!r}")
-        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit)
+        use_wgmma = self._wgmma_choice(wgmma, ksplit, tree)
+        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma)
+        threads = self.variant.threads
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
-                             tile_tokens(self.head_dim, ksplit), self.variant.rows_per_cta)
+                             self.variant.tile_tokens, self.variant.rows_per_cta)
         kernel = load_kernels(self.variant, self.device)[0]
         shared = self.variant.shared_bytes
         kernel.allow_dynamic_shared(shared)
-        ctas_per_sm = kernel.occupancy(THREADS, shared)
+        ctas_per_sm = kernel.occupancy(threads, shared)
         splits, min_tokens = choose_splits(work, self.device.sm_count, ctas_per_sm)
         if num_splits is not None:
             splits = num_splits
@@ -139,19 +145,33 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
-        self._launch = kernel.prepare(LaunchConfig(self._grid, THREADS, shared), p)
+        self._launch = kernel.prepare(LaunchConfig(self._grid, threads, shared), p)
         self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree)
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
-            "block": THREADS, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
-            "max_tiles": tiles,
+            "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
+            "wgmma": use_wgmma, "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens,
-            "tile_tokens": tile_tokens(self.head_dim, ksplit),
+            "tile_tokens": self.variant.tile_tokens,
             "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,
             "ctas_per_sm": ctas_per_sm, "kernel": self.variant.kernel,
         }
         return self
+
+    def _wgmma_choice(self, wgmma: bool | None, ksplit: int, tree: bool) -> bool:
+        """The warpgroup-MMA kernel: wherever it applies unless ``wgmma`` says otherwise."""
+        available = wgmma_available(self.device.arch, self.head_dim)
+        if wgmma is None:
+            return available and ksplit == 1 and not tree
+        if wgmma and not available:
+            raise ValueError(f"wgmma: the warpgroup-MMA kernel needs an sm_90 device and "
+                             f"head_dim 64 or 128, got {self.device.arch} and head_dim "
+                             f"{self.head_dim}")
+        if wgmma and (ksplit != 1 or tree):
+            raise ValueError(f"wgmma: the warpgroup-MMA kernel takes whole tiles (ksplit 1, "
+                             f"no tree masks), got ksplit {ksplit}, tree={tree}")
+        return wgmma
 
     def _ensure_workspace(self, rows: int, counters: int) -> None:
         """``rows`` split partial rows (D floats and an LSE each), ``counters`` merge counters;

@@ -1,5 +1,7 @@
-"""The compiled programs of the multi-token family: multi_attend (multi.cu), one program per
-(head_dim, dtype, scale mode, scale dtype, storage)."""
+"""The compiled programs of the multi-token family, one per (head_dim, dtype, scale mode, scale
+dtype, storage) and kernel: multi_attend (multi.cu, mma.sync, every arch, KSPLIT 1 or split
+warps) and multi_attend_wg (multi_wg.cu, Hopper's warpgroup MMA: sm_90 only, head_dim 64 and
+128, whole tiles per warpgroup)."""
 from __future__ import annotations
 
 import itertools
@@ -11,13 +13,24 @@ from ..core import support
 from ..core.spec import KVCacheSpec
 
 THREADS = 128       # four warps
-STAGES = 3          # kMultiStages in multi.cu
+STAGES = 3          # kMultiStages in multi.cu (and kWgStages in multi_wg.cu)
+WG_THREADS = 256    # multi_wg.cu: two warpgroups
+WG_HEAD_DIMS = (64, 128)
+WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
 
 
-def tile_tokens(head_dim: int, ksplit: int = 1) -> int:
+def tile_tokens(head_dim: int, ksplit: int = 1, wgmma: bool = False) -> int:
     """KV tokens per pipeline tile (multi.cu kTileRows): 32 where 64 tokens' score
-    accumulators would not fit in registers (head_dim 256; 128 with the whole tile per warp)."""
+    accumulators would not fit in registers (head_dim 256; 128 with the whole tile per warp);
+    64 in multi_wg.cu (the score mma's N)."""
+    if wgmma:
+        return 64
     return 32 if head_dim == 256 or (head_dim == 128 and ksplit == 1) else 64
+
+
+def wgmma_available(arch: str, head_dim: int) -> bool:
+    """Whether multi_wg.cu serves this device and head_dim."""
+    return arch in WG_ARCHS and head_dim in WG_HEAD_DIMS
 
 
 def ksplits(head_dim: int) -> tuple[int, ...]:
@@ -38,11 +51,18 @@ class MultiVariant:
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
     paged: bool = False
     ksplit: int = 1  # warps per 16 query rows, sharing each KV tile (multi.cu KSPLIT)
+    wgmma: bool = False  # multi_wg.cu (ksplit 1)
+
+    def __post_init__(self) -> None:
+        if self.wgmma and (self.ksplit != 1 or self.head_dim not in WG_HEAD_DIMS):
+            raise ValueError(f"the wgmma kernel takes ksplit 1 and head_dim {WG_HEAD_DIMS}, "
+                             f"got ksplit {self.ksplit}, head_dim {self.head_dim}")
 
     @classmethod
-    def planned(cls, spec: KVCacheSpec, dtype: str, ksplit: int = 1) -> "MultiVariant":
+    def planned(cls, spec: KVCacheSpec, dtype: str, ksplit: int = 1,
+                wgmma: bool = False) -> "MultiVariant":
         return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged,
-                   ksplit)
+                   ksplit, wgmma)
 
     @property
     def row_blocks(self) -> int:
@@ -52,14 +72,25 @@ class MultiVariant:
 
     @property
     def rows_per_cta(self) -> int:
-        return 16 * self.row_blocks * (4 // self.ksplit)
+        return 128 if self.wgmma else 16 * self.row_blocks * (4 // self.ksplit)
+
+    @property
+    def threads(self) -> int:
+        return WG_THREADS if self.wgmma else THREADS
+
+    @property
+    def tile_tokens(self) -> int:
+        return tile_tokens(self.head_dim, self.ksplit, self.wgmma)
 
     @property
     def kernel(self) -> str:
-        return (f"llfd::multi_attend<{self.head_dim}, {support.SCALE_MODE_IDS[self.scale_mode]}, "
+        args = (f"{self.head_dim}, {support.SCALE_MODE_IDS[self.scale_mode]}, "
                 f"{support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
-                f"{support.cxx_bool(self.paged)}, {self.ksplit}>")
+                f"{support.cxx_bool(self.paged)}")
+        if self.wgmma:
+            return f"llfd::multi_attend_wg<{args}>"
+        return f"llfd::multi_attend<{args}, {self.ksplit}>"
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
@@ -67,22 +98,46 @@ class MultiVariant:
 
     @property
     def stage_bytes(self) -> int:
-        """K and V rows of a tile and a fp32 K and V scale per token (MultiTile::kBytes)."""
-        rows = tile_tokens(self.head_dim, self.ksplit)
-        return 2 * rows * self.head_dim + 8 * rows
+        """K and V rows of a tile and a fp32 K and V scale per token (MultiTile::kBytes;
+        multi_wg.cu rounds a stage to 1 KB: swizzle atoms)."""
+        rows = self.tile_tokens
+        raw = 2 * rows * self.head_dim + 8 * rows
+        return -(-raw // 1024) * 1024 if self.wgmma else raw
 
     @property
     def shared_bytes(self) -> int:
-        """The pipeline's stages and the warps' Q fragments (16 bytes per lane, m-block and
-        16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every lane's
-        accumulators) and the split merge."""
+        """multi.cu: the pipeline's stages and the warps' Q fragments (16 bytes per lane,
+        m-block and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
+        lane's accumulators) and the split merge. multi_wg.cu (WgLayout::kBytes): the stages,
+        three widened tiles (fp16 K and V and their fp32 scales, 1 KB aligned), both
+        warpgroups' fp16 Q (64 rows each), and 1 KB to align them."""
+        if self.wgmma:
+            rows = self.tile_tokens
+            copy = -(-(2 * rows * self.head_dim * 2 + 8 * rows) // 1024) * 1024
+            query = 2 * 64 * self.head_dim * 2
+            return STAGES * self.stage_bytes + 3 * copy + query + 1024
         query = (THREADS // 32) * self.row_blocks * (self.head_dim // 16) * 32 * 16
         return STAGES * self.stage_bytes + query
 
-    source = "multi.cu"
+    @property
+    def source(self) -> str:
+        return "multi_wg.cu" if self.wgmma else "multi.cu"
+
+    def builds_for(self, arch: str) -> bool:
+        """Whether this program exists for ``arch`` (the wgmma kernel: Hopper only)."""
+        return not self.wgmma or arch in WG_ARCHS
+
+    def target_arch(self, arch: str) -> str:
+        """The arch NVRTC compiles for: wgmma needs the arch-specific sm_90a."""
+        if not self.wgmma:
+            return arch
+        if not self.builds_for(arch):
+            raise ValueError(f"arch: the wgmma kernel needs sm_90, got {arch!r}")
+        return "sm_90a"
 
     def compile(self, arch: str) -> CompiledProgram:
-        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
+        return compile_cached(self.source, CompileOptions(arch=self.target_arch(arch)),
+                              self.kernel_names)
 
 
 def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant]:
@@ -94,3 +149,5 @@ def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant]:
             for scale_dtype in support.SCALE_DTYPES[mode]:
                 for ksplit in ksplits(dim):
                     yield MultiVariant(dim, dtype, mode, scale_dtype, paged, ksplit)
+                if dim in WG_HEAD_DIMS:
+                    yield MultiVariant(dim, dtype, mode, scale_dtype, paged, wgmma=True)

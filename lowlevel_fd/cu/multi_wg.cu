@@ -1,0 +1,260 @@
+// Multi-token attention over the INT8 cache on Hopper's warpgroup MMA (wgmma, sm_90a): the
+// kernel for prefill and long chunks at head_dim 64 and 128 (multi.cu covers the rest).
+//
+// A CTA is two warpgroups, 64 packed query rows each (the mma's M; rows token-major as in
+// multi.cu), over one KV head. K/V tiles of 64 tokens stream through the same cp.async stages
+// as multi.cu (multi_tiles.cuh). Each tile is widened once per CTA, by all its threads, into
+// fp16 copies in the 128-byte-swizzled layout wgmma reads (wgmma.cuh); then per warpgroup:
+//  * S = Q K^T: Q (fp16, staged once in the same layout) and K from shared memory;
+//  * scales, masks and the online softmax in registers, as multi.cu (per-token K scales on the
+//    score columns, per-token V scales folded into P relative to the largest seen);
+//  * O += P V: P from registers (the accumulator layout is the A fragment's), V from shared
+//    memory as a transposed (MN-major) operand.
+// Pipelined per tile j: S(j + 1) and P(j) V(j) are issued together; while they run, the CTA
+// widens tile j + 2 and the warpgroup's softmax of S(j + 1) follows as soon as it lands (three
+// widened copies: j in P V, j + 1 in Q K^T, j + 2 being written; one barrier per tile).
+// Splits, their partials and the merge are multi.cu's (the same workspace and counters).
+#include "multi_wg_tiles.cuh"
+
+namespace llfd {
+
+template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    multi_attend_wg(const __grid_constant__ MultiParams p) {
+  using L = WgLayout<HEAD_DIM>;
+  constexpr int kChunks = HEAD_DIM / 16, kNB = L::kTokens / 8, kKT = L::kTokens / 16;
+  constexpr int kOut = HEAD_DIM / 2;  // accumulators per thread: 64 rows x HEAD_DIM / 128
+  constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
+  extern __shared__ __align__(128) char smem_raw[];
+  __shared__ int is_last;
+  // Swizzled operands need 1024-byte-aligned atoms: the plan adds 1 KB of slack.
+  char* const smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = shared_address(smem);
+
+  const int kvh = blockIdx.x % p.num_kv_heads;
+  const int tile = p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads;
+  const int split = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform to the compiler:
+                                                        // wgmma under no divergent branch
+
+  const SequenceRows sr(p, b, L::kCtaRows,
+                        tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
+  const int row0 = tile * L::kCtaRows;
+  if (row0 >= sr.rows) return;
+  const int tile_rows = min(L::kCtaRows, sr.rows - row0);
+  const int kv_end = sr.limit(p, row0 + tile_rows - 1);
+  int chunk, active;
+  tile_splits<L::kTokens>(p, kv_end, chunk, active);
+  if (split >= active) return;
+  const int start = split * chunk, end = min(kv_end, start + chunk);
+  const int tiles = (end - start + L::kTokens - 1) / L::kTokens;
+
+  // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
+  // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
+  const int wg_row0 = row0 + 64 * wg;
+  const bool wg_active = wg_row0 < sr.rows;
+  const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
+  const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
+  const int r_lo = wg_row0 + 16 * (warp % 4) + g;
+  int visible[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + 8 * hr;
+    visible[hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
+  }
+
+  TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, kWgThreads> loader(b, kvh);
+  loader.fetch(p, start, end);
+#pragma unroll
+  for (int st = 0; st < kWgStages - 1; ++st) {
+    const int t = start + st * L::kTokens;
+    if (t < end) {
+      loader.issue(p, base + st * L::kStageBytes, st, t, end);
+      loader.fetch(p, t + L::kTokens, end);
+    }
+    cp_async_commit();
+  }
+
+  // Q rows: fp16 (bf16 and rotated rows scaled per row into fp16 range) into the warpgroup's
+  // swizzled copy; the lane that holds a row's scores keeps its scale.
+  float k_const = p.score_scale_log2, v_const = 1.f;
+  if constexpr (!kTokenScales) {
+    k_const *= given_scale<SCALE_MODE>(p.k_scale, kvh);
+    v_const = given_scale<SCALE_MODE>(p.v_scale, kvh);
+  }
+  float row_const[2];
+  {
+    uint32_t qf[kChunks][4];
+    load_rows<HEAD_DIM, QT>(qf, row_const, p, sr, kvh, r_lo, c);
+    // The row scales must be positive (softmax_tile scales after the maximum): a negative
+    // sm_scale or K scale flips q's sign instead (exact in fp16), a zero one acts as the
+    // smallest normal one (every score ~0, as zero gives).
+    const uint32_t flip = k_const < 0.f ? 0x80008000u : 0u;
+    row_const[0] = fmaxf(row_const[0] * fabsf(k_const), 1.17549435e-38f);
+    row_const[1] = fmaxf(row_const[1] * fabsf(k_const), 1.17549435e-38f);
+    char* const q16 = smem + L::kQ16 + wg * L::kBlocks * L::kBlockBytes;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int s = 0; s < kChunks; ++s)  // dims 16 s + 4 c .. + 3
+        *reinterpret_cast<uint2*>(q16 + L::at(16 * (warp % 4) + g + 8 * hr, 2 * s + (c >> 1)) +
+                                  8 * (c & 1)) = make_uint2(qf[s][hr] ^ flip, qf[s][2 + hr] ^ flip);
+    fence_proxy_async();
+  }
+  const uint32_t q_base = base + L::kQ16 + wg * L::kBlocks * L::kBlockBytes;
+  auto copy_of = [&](int j) __attribute__((always_inline)) { return j % L::kCopies; };
+
+  // Tile jw's int8 rows have landed: publish them (and the copies widened before this
+  // barrier), then refill the stage of tile jw - 1 with tile jw + 2.
+  auto sync_step = [&](int jw) __attribute__((always_inline)) {
+    const int st = jw % kWgStages;
+    cp_async_wait<kWgStages - 2>();
+    loader.widen(smem + st * L::kStageBytes, st);
+    __syncthreads();
+    const int t_issue = start + (jw + kWgStages - 1) * L::kTokens;
+    const int issue_stage = (jw + kWgStages - 1) % kWgStages;
+    if (t_issue < end) {
+      loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
+      loader.fetch(p, t_issue + L::kTokens, end);
+    }
+    cp_async_commit();
+  };
+  auto widen_work = [&](int jw) __attribute__((always_inline)) {
+    if (jw < tiles) {
+      widen_tile<HEAD_DIM, kTokenScales>(smem + (jw % kWgStages) * L::kStageBytes,
+                                         smem + L::kCopy0 + copy_of(jw) * L::kCopyBytes);
+      fence_proxy_async();
+    }
+  };
+
+  float o[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) o[i] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  float v_ref = kTokenScales ? 0.f : 1.f;
+  float s[4 * kNB];
+  uint32_t a[kKT][4], a_next[kKT][4];
+  float corr[2] = {1.f, 1.f};
+  auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
+    const char* copy = smem + L::kCopy0 + copy_of(j) * L::kCopyBytes;
+    const int col0 = start + j * L::kTokens;
+    const float* ks = reinterpret_cast<const float*>(copy + L::kCopyKScale);
+    const float* vs = reinterpret_cast<const float*>(copy + L::kCopyVScale);
+    if (col0 + L::kTokens > wg_full)  // some row of the warpgroup stops inside the tile
+      softmax_tile<kNB, kTokenScales, true>(s, p_out, m, l, v_ref, corr, row_const, ks, vs,
+                                            col0, visible, c);
+    else
+      softmax_tile<kNB, kTokenScales, false>(s, p_out, m, l, v_ref, corr, row_const, ks, vs,
+                                             col0, visible, c);
+  };
+  auto computes = [&](int j) __attribute__((always_inline)) {
+    return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
+  };
+  auto copy_address = [&](int j) __attribute__((always_inline)) {
+    return base + L::kCopy0 + copy_of(j) * L::kCopyBytes;
+  };
+
+  // Tiles 0 and 1 widened, tile 0's scores and P; then per tile j: S(j + 1) and O += P(j) V(j)
+  // on the tensor cores while the CTA widens tile j + 2 and the warpgroup's softmax of S(j + 1)
+  // follows (its P in a second set of registers: P(j)'s are the operand in flight).
+  sync_step(0);
+  widen_work(0);
+  sync_step(1);  // publishes tile 0's copy
+  widen_work(1);
+  if (computes(0)) {
+    wgmma_fence();
+    issue_scores<HEAD_DIM>(s, q_base, copy_address(0));
+    wgmma_wait<0>();
+    fence_operands(s);
+    softmax(0, a);
+  }
+  // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
+  // operand in flight). The loop alternates the two sets (a copy between them made ptxas
+  // serialize every wgmma).
+  auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
+      __attribute__((always_inline)) {
+    sync_step(j + 2);  // publishes tile j + 1's copy; tile j - 1's is free
+    // Issue and waits stay in one branch per warpgroup (a wgmma group that crosses a branch
+    // ptxas cannot pair serializes every wgmma); S(j + 1) of a tile past the warpgroup's
+    // rows or the range is computed and dropped (its P is zero).
+    if (computes(j)) {
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+#pragma unroll
+        for (int i = 0; i < kOut / 4; ++i) {
+          o[4 * i] *= corr[0]; o[4 * i + 1] *= corr[0];
+          o[4 * i + 2] *= corr[1]; o[4 * i + 3] *= corr[1];
+        }
+      wgmma_fence();
+      issue_scores<HEAD_DIM>(s, q_base, copy_address(j + 1));
+      issue_values<HEAD_DIM>(o, cur, copy_address(j));
+      widen_work(j + 2);
+      wgmma_wait<1>();
+      fence_operands(s);
+      if (computes(j + 1)) {
+        softmax(j + 1, nxt);
+      } else {
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
+        corr[0] = corr[1] = 1.f;
+      }
+      wgmma_wait<0>();
+      fence_operands(o);
+    } else {
+      widen_work(j + 2);
+    }
+  };
+#pragma unroll 1
+  for (int j = 0; j < tiles; j += 2) {
+    tile_step(j, a, a_next);
+    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
+  }
+  cp_async_wait<0>();
+  if constexpr (PAGED)
+    if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
+
+  // ---- this split's rows: normalised, with their base-2 LSE ----
+  const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
+  const int64_t part = slot * p.num_splits + split;
+  if (wg_active)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r_lo + 8 * hr, local = r - row0;
+      const float sum = warp_sum_xor(l[hr], 2);
+      if (r >= sr.rows) continue;
+      const float lse2 = sum > 0.f ? m[hr] + __log2f(sum) : kNegInf;
+      const float f = sum > 0.f ? v_const * v_ref / sum : 0.f;
+      if (active == 1) {
+        const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;
+        const int64_t q_row = sr.q0 + token;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(
+            static_cast<uint16_t*>(p.out) + q_row * p.out_token_stride + head * p.out_head_stride);
+#pragma unroll
+        for (int j = 0; j < kOut / 4; ++j)  // dims 8 j + 2 c, + 1
+          dst[4 * j + c] = pack2<QT>(o[4 * j + 2 * hr] * f, o[4 * j + 2 * hr + 1] * f);
+        if (p.lse != nullptr && c == 0)
+          p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2 * kMultiLn2;
+      } else {
+        float* dst = p.partial_out + (part * L::kCtaRows + local) * HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < kOut / 4; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j + 2 * c) =
+              make_float2(o[4 * j + 2 * hr] * f, o[4 * j + 2 * hr + 1] * f);
+        if (c == 0) p.partial_lse[part * L::kCtaRows + local] = lse2;
+      }
+    }
+  if (active == 1) return;
+
+  // ---- the last split of this tile to arrive merges all of them ----
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_tile_splits<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
+                                               reinterpret_cast<float*>(smem));
+  if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
+}
+
+}  // namespace llfd

@@ -1,0 +1,174 @@
+// The warpgroup-MMA multi-token kernel's tiles (multi_wg.cu): shared-memory layout, the int8 ->
+// fp16 widening of a K/V tile into the 128-byte-swizzled form wgmma reads, the online softmax
+// of one score tile, and the two MMA issues (S = Q K^T from shared memory, O += P V with P
+// from registers).
+#pragma once
+#include "multi_rows.cuh"
+#include "multi_tiles.cuh"
+#include "wgmma.cuh"
+
+namespace llfd {
+
+constexpr int kWgStages = 3;     // KV tiles in flight
+constexpr int kWgThreads = 256;  // two warpgroups
+
+template <int HEAD_DIM>
+struct WgLayout {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "rows of one or two 64-dim blocks");
+  static constexpr int kTokens = 64;    // KV tokens per tile: the score mma's N
+  static constexpr int kCtaRows = 128;  // query rows: 64 per warpgroup
+  using Stage = MultiTile<HEAD_DIM, kTokens, kWgThreads>;
+  static constexpr int kStageBytes = (Stage::kBytes + 1023) / 1024 * 1024;
+  static constexpr int kBlocks = HEAD_DIM / 64;  // 64-dim blocks of an fp16 row
+  static constexpr int kBlockBytes = 64 * 128;   // 64 rows of 64 fp16
+  // A widened tile ("copy"): K and V as [block][64][64] fp16, then the K and V scales (fp32).
+  static constexpr int kCopyV = kBlocks * kBlockBytes, kCopyKScale = 2 * kCopyV;
+  static constexpr int kCopyVScale = kCopyKScale + 4 * kTokens;
+  static constexpr int kCopyBytes = (kCopyVScale + 4 * kTokens + 1023) / 1024 * 1024;
+  static constexpr int kCopies = 3;  // tile j + 1 in S = Q K^T, j in P V, j + 2 being widened
+  static constexpr int kCopy0 = kWgStages * kStageBytes;
+  static constexpr int kQ16 = kCopy0 + kCopies * kCopyBytes;  // [warpgroup][block][64][64]
+  static constexpr int kBytes = kQ16 + 2 * kBlocks * kBlockBytes;
+  // Row r's 8-element chunk c (0 .. HEAD_DIM / 8) in a [block][64][64] fp16 array.
+  __device__ static __forceinline__ int at(int r, int c) {
+    return (c >> 3) * kBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  }
+};
+
+// A stage's int8 K and V rows -> a copy in fp16 (each thread its share of 16-byte chunks), and
+// per-token scales alongside (the stage is refilled before the tile's softmax).
+template <int HEAD_DIM, bool TOKEN_SCALES>
+__device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
+  using L = WgLayout<HEAD_DIM>;
+  constexpr int kChunks = HEAD_DIM / 16;
+#pragma unroll
+  for (int i = 0; i < L::kTokens * kChunks / kWgThreads; ++i) {
+    const int idx = static_cast<int>(threadIdx.x) + i * kWgThreads;
+    const int t = idx / kChunks, ch = idx % kChunks;
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      const uint4 w = *reinterpret_cast<const uint4*>(
+          stage + (which ? L::Stage::kV : L::Stage::kK) + L::Stage::offset(t, ch));
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      uint32_t h[8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t u = words[k] ^ 0x80808080u;
+        h[2 * k] = int8_pair<0x4140u>(u);
+        h[2 * k + 1] = int8_pair<0x4342u>(u);
+      }
+      char* dst = copy + (which ? L::kCopyV : 0);
+      *reinterpret_cast<uint4*>(dst + L::at(t, 2 * ch)) = make_uint4(h[0], h[1], h[2], h[3]);
+      *reinterpret_cast<uint4*>(dst + L::at(t, 2 * ch + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+  }
+  if constexpr (TOKEN_SCALES) {
+    if (threadIdx.x < 2 * L::kTokens)  // K scales then V scales: contiguous in both
+      reinterpret_cast<float*>(copy + L::kCopyKScale)[threadIdx.x] =
+          reinterpret_cast<const float*>(stage + L::Stage::kKScale)[threadIdx.x];
+  }
+}
+
+// One tile's scores -> P (fp16 A fragments of O += P V) and the online softmax's state, in
+// base 2: per-token K scales on the score columns, V scales folded into P relative to the
+// largest seen (v_ref), masks only where some row of the warpgroup stops inside the tile.
+template <int kNB, bool TOKEN_SCALES, bool MASKED>
+__device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
+                                             float (&m)[2], float (&l)[2], float& v_ref,
+                                             float (&corr)[2], const float (&row_const)[2],
+                                             const float* k_scales, const float* v_scales,
+                                             int col0, const int (&visible)[2], int c) {
+  // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
+  // one FFMA per score applies the row's scale and subtracts its maximum.
+#pragma unroll
+  for (int j = 0; j < kNB; ++j) {
+    float2 ks = make_float2(1.f, 1.f);
+    if constexpr (TOKEN_SCALES) ks = *reinterpret_cast<const float2*>(k_scales + 8 * j + 2 * c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * j + e];
+      if constexpr (TOKEN_SCALES) x *= (e & 1) ? ks.y : ks.x;
+      s[4 * j + e] = !MASKED || col0 + 8 * j + 2 * c + (e & 1) < visible[e >> 1] ? x : kNegInf;
+    }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]));
+    mx = warp_max_xor(mx, 2);
+    const float m_new = fmaxf(m[hr], mx * row_const[hr]);
+    const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
+    corr[hr] = fast_exp2(m[hr] - m_use);
+    m[hr] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      s[4 * j + 2 * hr] = fast_exp2(fmaf(s[4 * j + 2 * hr], row_const[hr], -m_use));
+      s[4 * j + 2 * hr + 1] = fast_exp2(fmaf(s[4 * j + 2 * hr + 1], row_const[hr], -m_use));
+      sum += s[4 * j + 2 * hr] + s[4 * j + 2 * hr + 1];
+    }
+    l[hr] = l[hr] * corr[hr] + sum;
+  }
+  float2 ratio[kNB];
+#pragma unroll
+  for (int j = 0; j < kNB; ++j) ratio[j] = make_float2(1.f, 1.f);
+  if constexpr (TOKEN_SCALES) {
+    float local = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      ratio[j] = *reinterpret_cast<const float2*>(v_scales + 8 * j + 2 * c);
+      local = fmaxf(local, fmaxf(ratio[j].x, ratio[j].y));
+    }
+    const float new_ref = fmaxf(v_ref, warp_max_xor(local, 2));
+    const float inv = new_ref > 0.f ? 1.f / new_ref : 0.f;
+    const float change = new_ref > 0.f ? v_ref * inv : 1.f;
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) ratio[j].x *= inv, ratio[j].y *= inv;
+    corr[0] *= change;
+    corr[1] *= change;
+    v_ref = new_ref;
+  }
+#pragma unroll
+  for (int kt = 0; kt < kNB / 2; ++kt) {  // k = tokens 16 kt .. 16 kt + 15
+    const float* lo = s + 4 * (2 * kt);
+    const float* hi = s + 4 * (2 * kt + 1);
+    const float2 rl = ratio[2 * kt], rh = ratio[2 * kt + 1];
+    a[kt][0] = pack2<f16>(lo[0] * rl.x, lo[1] * rl.y);
+    a[kt][1] = pack2<f16>(lo[2] * rl.x, lo[3] * rl.y);
+    a[kt][2] = pack2<f16>(hi[0] * rh.x, hi[1] * rh.y);
+    a[kt][3] = pack2<f16>(hi[2] * rh.x, hi[3] * rh.y);
+  }
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void issue_scores(float (&s)[32], uint32_t q_base, uint32_t copy) {
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    const uint32_t at = (kk >> 2) * WgLayout<HEAD_DIM>::kBlockBytes + (kk & 3) * 32;
+    const uint64_t qd = sw128_descriptor(q_base + at, 16, 1024);
+    const uint64_t kd = sw128_descriptor(copy + at, 16, 1024);
+    if (kk == 0)
+      wgmma_m64n64k16_ss_first(s, qd, kd);
+    else
+      wgmma_m64n64k16_ss(s, qd, kd, 1);
+  }
+  wgmma_commit();
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void issue_values(float (&o)[HEAD_DIM / 2], const uint32_t (&a)[4][4],
+                                             uint32_t copy) {
+  using L = WgLayout<HEAD_DIM>;
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    const uint64_t v = sw128_descriptor(copy + L::kCopyV + kt * 16 * 128, L::kBlockBytes, 1024);
+    if constexpr (HEAD_DIM == 128)
+      wgmma_m64n128k16_rs(o, a[kt], v, 1);
+    else
+      wgmma_m64n64k16_rs(o, a[kt], v, 1);
+  }
+  wgmma_commit();
+}
+
+}  // namespace llfd
