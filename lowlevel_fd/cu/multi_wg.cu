@@ -100,9 +100,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int s = 0; s < kChunks; ++s)  // dims 16 s + 4 c .. + 3
         *reinterpret_cast<uint2*>(q16 + L::at(16 * (warp % 4) + g + 8 * hr, 2 * s + (c >> 1)) +
                                   8 * (c & 1)) = make_uint2(qf[s][hr] ^ flip, qf[s][2 + hr] ^ flip);
-    fence_proxy_async();
   }
-  const uint32_t q_base = base + L::kQ16 + wg * L::kBlocks * L::kBlockBytes;
+  // ... and back as the score mma's A fragments (the warp's own 16 rows): Q stays in registers.
+  __syncwarp();
+  uint32_t qa[kChunks][4];
+  {
+    const uint32_t q16 = base + L::kQ16 + wg * L::kBlocks * L::kBlockBytes;
+#pragma unroll
+    for (int kk = 0; kk < kChunks; ++kk)
+      ldmatrix_x4(qa[kk], q16 + L::at(16 * (warp % 4) + (lane & 15), 2 * kk + (lane >> 4)));
+  }
   auto copy_of = [&](int j) __attribute__((always_inline)) { return j % L::kCopies; };
 
   // Tile jw's int8 rows have landed: publish them (and the copies widened before this
@@ -164,7 +171,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   widen_work(1);
   if (computes(0)) {
     wgmma_fence();
-    issue_scores<HEAD_DIM>(s, q_base, copy_address(0));
+    issue_scores<HEAD_DIM>(s, qa, copy_address(0));
     wgmma_wait<0>();
     fence_operands(s);
     softmax(0, a);
@@ -186,7 +193,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           o[4 * i + 2] *= corr[1]; o[4 * i + 3] *= corr[1];
         }
       wgmma_fence();
-      issue_scores<HEAD_DIM>(s, q_base, copy_address(j + 1));
+      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
       issue_values<HEAD_DIM>(o, cur, copy_address(j));
       widen_work(j + 2);
       wgmma_wait<1>();

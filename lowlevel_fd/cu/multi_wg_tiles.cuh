@@ -43,8 +43,10 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
   constexpr int kChunks = HEAD_DIM / 16;
 #pragma unroll
   for (int i = 0; i < L::kTokens * kChunks / kWgThreads; ++i) {
+    // Consecutive threads take consecutive tokens of one chunk column: the eight rows of a
+    // 16-byte access phase have distinct swizzled chunks (no bank conflicts), read and write.
     const int idx = static_cast<int>(threadIdx.x) + i * kWgThreads;
-    const int t = idx / kChunks, ch = idx % kChunks;
+    const int t = idx % L::kTokens, ch = idx / L::kTokens;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
       const uint4 w = *reinterpret_cast<const uint4*>(
@@ -93,22 +95,30 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float mx = kNegInf;
+    // Pairwise trees (not one chain): the two rows' max and sum are short dependency chains.
+    float part[kNB];
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]));
-    mx = warp_max_xor(mx, 2);
+    for (int j = 0; j < kNB; ++j) part[j] = fmaxf(s[4 * j + 2 * hr], s[4 * j + 2 * hr + 1]);
+#pragma unroll
+    for (int width = kNB / 2; width > 0; width /= 2)
+#pragma unroll
+      for (int j = 0; j < width; ++j) part[j] = fmaxf(part[j], part[j + width]);
+    const float mx = warp_max_xor(part[0], 2);
     const float m_new = fmaxf(m[hr], mx * row_const[hr]);
     const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
     corr[hr] = fast_exp2(m[hr] - m_use);
     m[hr] = m_new;
-    float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
       s[4 * j + 2 * hr] = fast_exp2(fmaf(s[4 * j + 2 * hr], row_const[hr], -m_use));
       s[4 * j + 2 * hr + 1] = fast_exp2(fmaf(s[4 * j + 2 * hr + 1], row_const[hr], -m_use));
-      sum += s[4 * j + 2 * hr] + s[4 * j + 2 * hr + 1];
+      part[j] = s[4 * j + 2 * hr] + s[4 * j + 2 * hr + 1];
     }
-    l[hr] = l[hr] * corr[hr] + sum;
+#pragma unroll
+    for (int width = kNB / 2; width > 0; width /= 2)
+#pragma unroll
+      for (int j = 0; j < width; ++j) part[j] += part[j + width];
+    l[hr] = l[hr] * corr[hr] + part[0];
   }
   float2 ratio[kNB];
 #pragma unroll
@@ -141,17 +151,16 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
   }
 }
 
+// S = Q K^T for a warpgroup: Q's A fragments in registers (qa[kk]: dims 16 kk .. + 15), K from
+// the widened copy.
 template <int HEAD_DIM>
-__device__ __forceinline__ void issue_scores(float (&s)[32], uint32_t q_base, uint32_t copy) {
+__device__ __forceinline__ void issue_scores(float (&s)[32], const uint32_t (&qa)[HEAD_DIM / 16][4],
+                                             uint32_t copy) {
+  wgmma_m64n64k16_rs_kmajor<true>(s, qa[0], sw128_descriptor(copy, 16, 1024));
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+  for (int kk = 1; kk < HEAD_DIM / 16; ++kk) {
     const uint32_t at = (kk >> 2) * WgLayout<HEAD_DIM>::kBlockBytes + (kk & 3) * 32;
-    const uint64_t qd = sw128_descriptor(q_base + at, 16, 1024);
-    const uint64_t kd = sw128_descriptor(copy + at, 16, 1024);
-    if (kk == 0)
-      wgmma_m64n64k16_ss_first(s, qd, kd);
-    else
-      wgmma_m64n64k16_ss(s, qd, kd, 1);
+    wgmma_m64n64k16_rs_kmajor<false>(s, qa[kk], sw128_descriptor(copy + at, 16, 1024));
   }
   wgmma_commit();
 }
