@@ -113,6 +113,7 @@ def test_wgmma_needs_hopper_and_head_dim_64_or_128(arch, head_dim):
     ("sm_90", 128, 100, False, True), ("sm_90", 64, 100, False, True),
     ("sm_90a", 128, 100, False, True),
     ("sm_90", 128, 4, False, False),   # 16 rows: split warps
+    ("sm_90", 128, 20, False, False),  # 80 rows: no full 128-row CTA, mma.sync
     ("sm_90", 128, 100, True, False),  # tree masks: split warps
     ("sm_90", 256, 100, False, False), ("sm_80", 128, 100, False, False),
     ("sm_100", 128, 100, False, False),
@@ -122,7 +123,7 @@ def test_the_planner_picks_wgmma_for_whole_tiles_on_hopper(arch, head_dim, qo, t
                             device=device_of(arch))
     ksplit = 2 if head_dim != 64 else 4
     chosen = 1 if qo * 4 > 32 and not tree else ksplit
-    assert plan._wgmma_choice(None, chosen, tree) is expected
+    assert plan._wgmma_choice(None, chosen, tree, qo * 4) is expected
 
 
 def test_wgmma_variants_build_for_hopper_only():

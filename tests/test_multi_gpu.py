@@ -102,6 +102,25 @@ def test_speculative_shapes_split_the_kv_and_merge(rng, stream, qo_len, causal, 
     assert relative_error(results[0], results[1]) < 2e-3
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_wgmma_splits_merge(rng, stream, causal):
+    """The warpgroup kernel with its KV cut into splits (forced) against the oracle and its
+    unsplit run: a 160-row chunk over a long prefix, a short one, an empty row."""
+    if not wgmma_choices()[-1]:
+        pytest.skip("the warpgroup-MMA kernel needs an sm_90 GPU")
+    case = MultiCase([40, 3, 0], [5000, 900, 7], 32, 8, 128).fill(rng)
+    case.upload(rng)
+    results = []
+    for splits in (5, 1):
+        with case.make_plan() as plan:
+            plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits, wgmma=True)
+            case.run(plan, stream)
+            stream.synchronize()
+            check(case, causal=causal)
+            results.append(case.device["out"].numpy().astype(np.float64))
+    assert relative_error(results[0], results[1]) < 2e-3
+
+
 def test_long_prefill_rows_match_the_oracle(rng, stream):
     """qo_len 16384 (B=1, fresh prefill) and a 2048-token chunk over a 6000-token prefix:
     sampled rows, including the first and last of each sequence, against the oracle."""

@@ -5,12 +5,14 @@ one query token per sequence: which kernel family streams the shared KV head bet
 
 Needs torch and a GPU. L2-honest: L >= 2 layers with distinct caches per graph replay, L x KV
 bytes >= 200 MiB; us per layer (median of 30 replays); % of the read reference measured in the
-same run. MultiPlan is timed at every (ksplit, num_splits) setting and the best is reported
-(its planner is tuned for prefill and drafts, not for this shape); both outputs are compared.
+same run. MultiPlan is timed at every kernel (mma.sync with ksplit 1 or split warps, wgmma on
+sm_90) x num_splits setting and the best is reported (its planner is tuned for prefill and
+drafts, not for this shape); both outputs are compared.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -27,8 +29,10 @@ def main(argv=None) -> int:
     from benchlib.multi_torch import time_graph
     from lowlevel_fd import DecodePlan, MultiPlan
     from lowlevel_fd.driver import Device, Stream
+    from lowlevel_fd.multi.variants import ksplits, wgmma_available
 
     device = Device(0)
+    wgmma_ok = wgmma_available(device.arch, D)
     stream = Stream(device)
     gbps = measure_read_bandwidth(device, stream)["gbps"]
     stream.close()
@@ -56,14 +60,16 @@ def main(argv=None) -> int:
         indptr_host = list(range(batch + 1))
         indptr = torch.tensor(indptr_host, dtype=torch.int32, device="cuda")
         multi = {}
-        for ksplit in (1, 4):
-            for splits in (None, 1, 2, 4, 8):
-                plan = MultiPlan.create(hq, 1, D, max_batch=batch, max_seq_len=S).plan(
-                    indptr_host, [S] * batch, causal=False, ksplit=ksplit, num_splits=splits)
-                t = time_graph(lambda: [plan.run(q, *c, lens, indptr, o_multi, stream=current())
-                                        for c in caches], iters=30, warmup=5, per=layers)
-                multi[f"ksplit {ksplit}, splits {splits or 'planned'}"] = t["median_us"]
-                plan.close()
+        kernels = [(1, False), (ksplits(D)[-1], False)] + ([(1, True)] if wgmma_ok else [])
+        for (ksplit, wgmma), splits in itertools.product(kernels, (None, 1, 2, 4, 8)):
+            plan = MultiPlan.create(hq, 1, D, max_batch=batch, max_seq_len=S).plan(
+                indptr_host, [S] * batch, causal=False, ksplit=ksplit, num_splits=splits,
+                wgmma=wgmma)
+            t = time_graph(lambda: [plan.run(q, *c, lens, indptr, o_multi, stream=current())
+                                    for c in caches], iters=30, warmup=5, per=layers)
+            name = "wgmma" if wgmma else f"ksplit {ksplit}"
+            multi[f"{name}, splits {splits or 'planned'}"] = t["median_us"]
+            plan.close()
         torch.cuda.synchronize()
         diff = float((o_dec.float() - o_multi.float()).abs().max() / o_dec.float().abs().max())
         best = min(multi, key=multi.get)

@@ -22,6 +22,9 @@ MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
 # none 246 us (512 CTAs are 1.3 waves: the second one runs a third full).
 MIN_SPLIT_TILES = 16
 WAVES = 2
+# The warpgroup-MMA kernel (sm_90) when some sequence has this many query rows per KV head (a
+# full CTA of it): drafts of 32 rows ran 1.5-1.7x slower on it than on split warps.
+WGMMA_MIN_ROWS = 128
 
 
 @dataclass(frozen=True)
