@@ -369,8 +369,15 @@ case("extend wgmma: rotate q gptj, graph replay, negative scale (sm_90)",
          multi.test_rotate_q_at_the_rows_positions(rng, stream, "gptj", False, True),
          multi.test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, True),
          multi.test_any_sign_of_the_score_scale(rng, stream, True, -0.1, 1.0)))
-case("extend device guards", multi.test_device_guards_flag_and_write_nothing)
-case("extend bad page ids", multi.test_bad_page_ids_are_never_read)
+case("extend device guards",
+     lambda rng, stream: multi.test_device_guards_flag_and_write_nothing(rng, stream, False))
+case("extend bad page ids",
+     lambda rng, stream: multi.test_bad_page_ids_are_never_read(rng, stream, False))
+case("extend wgmma: device guards, bad page ids, KV splits (sm_90)",
+     lambda rng, stream: multi.wgmma_choices()[-1] and (
+         multi.test_device_guards_flag_and_write_nothing(rng, stream, True),
+         multi.test_bad_page_ids_are_never_read(rng, stream, True),
+         multi.test_wgmma_splits_merge(rng, stream, True)))
 import test_tree_mask_gpu as tree  # noqa: E402
 
 case("extend tree mask, arbitrary bits, paged nhd page 1, d256",

@@ -201,11 +201,12 @@ def test_any_sign_of_the_score_scale(rng, stream, wgmma, sm_scale, k_scale):
     np.testing.assert_allclose(case.device["lse"].numpy(), ref_lse, rtol=0, atol=2e-3)
 
 
-def test_device_guards_flag_and_write_nothing(rng, stream):
+@pytest.mark.parametrize("wgmma", wgmma_choices())
+def test_device_guards_flag_and_write_nothing(rng, stream, wgmma):
     case = MultiCase([3, 4, 5], [10, 20, 30], 8, 2, 64).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, ksplit=1 if wgmma else None, wgmma=wgmma)
         # A chunk longer than its KV: sequence 0 writes nothing (its rows keep the NaN
         # poison); the others are exact.
         d["seq_lens"].copy_from_numpy(np.array([2, 20, 30], np.int32))
@@ -228,7 +229,8 @@ def test_device_guards_flag_and_write_nothing(rng, stream):
         assert plan.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE
 
 
-def test_bad_page_ids_are_never_read(rng, stream):
+@pytest.mark.parametrize("wgmma", wgmma_choices())
+def test_bad_page_ids_are_never_read(rng, stream, wgmma):
     case = MultiCase([5, 9], [40, 90], 8, 2, 128, "nhd", 16).fill(rng)
     d = case.upload(rng)
     table = d["block_table"].numpy()
@@ -236,7 +238,7 @@ def test_bad_page_ids_are_never_read(rng, stream):
     table[0, 1] = 1 << 30
     d["block_table"].copy_from_numpy(table)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, wgmma=wgmma)
         case.run(plan, stream)
         assert plan.error_flags(stream=stream) == ERROR_BAD_PAGE
         assert np.isfinite(d["out"].numpy()).all()
