@@ -1,7 +1,15 @@
 """Writes lowlevel_fd/cu/wgmma.cuh: the wgmma wrappers whose operand lists are spelled out
 (inline PTX has no loops). Run after changing the shapes: python3 tools/gen_wgmma.py"""
+from pathlib import Path
+
+TARGET = Path(__file__).resolve().parents[1] / "lowlevel_fd" / "cu" / "wgmma.cuh"
+
+
 def regs(n, start=0):
+    """PTX operand names %start .. %(start + n - 1), comma separated."""
     return ", ".join(f"%{i}" for i in range(start, start + n))
+
+
 out = []
 out.append('''// Hopper warpgroup MMA (wgmma, sm_90a) for the multi-token kernel (multi_wg.cu): shared-memory
 // matrix descriptors, the fences, and the few shapes used. A warpgroup (four warps) issues each
@@ -102,4 +110,4 @@ __device__ __forceinline__ void wgmma_m64n{N}k16_rs(float (&d)[{nr}], const uint
 }}
 ''')
 out.append("}  // namespace llfd\n")
-open(__import__("pathlib").Path(__file__).resolve().parents[1] / "lowlevel_fd/cu/wgmma.cuh", "w").write("\n".join(out))
+TARGET.write_text("\n".join(out))
