@@ -52,47 +52,25 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 }
 ''')
 # SS m64n64k16 f16 -> f32
-n = 32
-out.append(f'''// D[64 x 64] (+)= A[64 x 16] B[16 x 64]^T, A and B fp16 K-major in shared memory.
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, uint64_t b,
-                                                   int accumulate) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %34, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{{{regs(32)}}}, %32, %33, p, 1, 1, 0, 0;\\n}}\\n"
-      : {", ".join(f'"+f"(d[{i}])' for i in range(32))}
-      : "l"(a), "l"(b), "r"(accumulate));
-}}
-''')
-out.append(f'''// The same with D = A B^T (no accumulator read: registers only written).
-__device__ __forceinline__ void wgmma_m64n64k16_ss_first(float (&d)[32], uint64_t a, uint64_t b) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %34, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{{{regs(32)}}}, %32, %33, p, 1, 1, 0, 0;\\n}}\\n"
-      : {", ".join(f'"=f"(d[{i}])' for i in range(32))}
-      : "l"(a), "l"(b), "r"(0));
-}}
-''')
+def kmajor_asm(constraint: str, accumulate: int) -> str:
+    """The score wgmma's asm statement: "=f" (the first k-step, D only written) or "+f"."""
+    return f'''asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %37, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{{{regs(32)}}}, {{{regs(4, 32)}}}, %36, p, 1, 1, 0;\\n}}\\n"
+        : {", ".join(f'"{constraint}"(d[{i}])' for i in range(32))}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"({accumulate}));'''
+
+
 out.append(f'''// D[64 x 64] (+)= A[64 x 16] B[16 x 64]^T, A fp16 in registers (mma.sync's A fragment per
 // warp), B fp16 K-major in shared memory; `first`: D = A B^T (the registers only written).
 template <bool FIRST>
 __device__ __forceinline__ void wgmma_m64n64k16_rs_kmajor(float (&d)[32], const uint32_t (&a)[4],
                                                           uint64_t b) {{
   if constexpr (FIRST)
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %37, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{{{regs(32)}}}, {{{regs(4, 32)}}}, %36, p, 1, 1, 0;\\n}}\\n"
-        : {", ".join(f'"=f"(d[{i}])' for i in range(32))}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(0));
+    {kmajor_asm("=f", 0)}
   else
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %37, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{{{regs(32)}}}, {{{regs(4, 32)}}}, %36, p, 1, 1, 0;\\n}}\\n"
-        : {", ".join(f'"+f"(d[{i}])' for i in range(32))}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    {kmajor_asm("+f", 1)}
 }}
 ''')
 for N in (64, 128):
