@@ -91,16 +91,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
 
   TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED> loader(b, kvh);
   const uint32_t smem_base = shared_address(smem);
-  loader.fetch(p, start, end);
-#pragma unroll
-  for (int st = 0; st < kMultiStages - 1; ++st) {
-    const int t = start + st * T::kRows;
-    if (t < end) {
-      loader.issue(p, smem_base + st * T::kBytes, st, t, end);
-      loader.fetch(p, t + T::kRows, end);
-    }
-    cp_async_commit();
-  }
+  loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
 
   // Q fragments live in shared memory (16 bytes per lane, m-block and 16-dim chunk, read
   // conflict-free by the lane that wrote them): in registers, next to the accumulators of two
@@ -427,16 +418,8 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       }
   if (active == 1) return;
 
-  // ---- the last split of this tile to arrive merges all of them ----
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  merge_tile_splits<HEAD_DIM, kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
-                                            reinterpret_cast<float*>(smem));
-  if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
+  merge_if_last<HEAD_DIM, kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
+                                  reinterpret_cast<float*>(smem), is_last);
 }
 
 }  // namespace llfd

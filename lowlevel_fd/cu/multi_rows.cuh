@@ -214,4 +214,21 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
   }
 }
 
+// After a split wrote its partial rows: the last split of the row tile to arrive merges them
+// all (the others return) and resets the tile's counter for the next launch. `is_last`: a
+// __shared__ int of the kernel; `scratch`: merge_tile_splits's shared memory.
+template <int HEAD_DIM, int ROWS, typename QT>
+__device__ __forceinline__ void merge_if_last(const MultiParams& p, const SequenceRows& sr,
+                                              int kvh, int row0, int tile_rows, int64_t slot,
+                                              int active, float* scratch, int& is_last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_tile_splits<HEAD_DIM, ROWS, QT>(p, sr, kvh, row0, tile_rows, slot, active, scratch);
+  if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
+}
+
 }  // namespace llfd

@@ -141,6 +141,23 @@ struct TileLoader {
     }
   }
 
+  // Before the loop: the page ids of the tile at start, then the first STAGES - 1 tiles issued
+  // into stages 0.. (one commit group each, empty past the range).
+  template <int STAGES>
+  __device__ __forceinline__ void prime(const MultiParams& p, uint32_t base, int stage_bytes,
+                                        int start, int end) {
+    fetch(p, start, end);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+      const int t = start + st * T::kRows;
+      if (t < end) {
+        issue(p, base + st * stage_bytes, st, t, end);
+        fetch(p, t + T::kRows, end);
+      }
+      cp_async_commit();
+    }
+  }
+
   // fp16 scales: this thread's copied word -> its scale as fp32, in place (after its copies
   // of `stage` landed, before the barrier that publishes the stage).
   __device__ __forceinline__ void widen(char* stage_base, int stage) {

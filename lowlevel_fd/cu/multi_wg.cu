@@ -65,16 +65,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
 
   TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, kWgThreads> loader(b, kvh);
-  loader.fetch(p, start, end);
-#pragma unroll
-  for (int st = 0; st < kWgStages - 1; ++st) {
-    const int t = start + st * L::kTokens;
-    if (t < end) {
-      loader.issue(p, base + st * L::kStageBytes, st, t, end);
-      loader.fetch(p, t + L::kTokens, end);
-    }
-    cp_async_commit();
-  }
+  loader.prime<kWgStages>(p, base, L::kStageBytes, start, end);
 
   // Q rows: fp16 (bf16 and rotated rows scaled per row into fp16 range) into the warpgroup's
   // swizzled copy; the lane that holds a row's scores keeps its scale.
@@ -252,16 +243,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
   if (active == 1) return;
 
-  // ---- the last split of this tile to arrive merges all of them ----
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  merge_tile_splits<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
-                                               reinterpret_cast<float*>(smem));
-  if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
+  merge_if_last<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
+                                  reinterpret_cast<float*>(smem), is_last);
 }
 
 }  // namespace llfd
