@@ -10,9 +10,12 @@
 //    score columns, per-token V scales folded into P relative to the largest seen);
 //  * O += P V: P from registers (the accumulator layout is the A fragment's), V from shared
 //    memory as a transposed (MN-major) operand.
-// Pipelined per tile j: S(j + 1) and P(j) V(j) are issued together; while they run, the CTA
-// widens tile j + 2 and the warpgroup's softmax of S(j + 1) follows as soon as it lands (three
-// widened copies: j in P V, j + 1 in Q K^T, j + 2 being written; one barrier per tile).
+// Pipelined per tile j (one barrier per tile): the lead warpgroup issues S(j + 1) and P(j) V(j)
+// right after the barrier, then widens its share of tile j + 2 and runs the softmax of
+// S(j + 1) while P(j) V(j) runs; the lag warpgroup widens first, then runs the softmax of S(j)
+// (issued in the previous iteration) and issues P(j) V(j) and S(j + 1) half a tile later, so the
+// two warpgroups' products take turns on the tensor cores (four widened copies: j + 2 being
+// written, j + 1 and j read, j - 1 still read by the lag's P V when the lead passes).
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_tiles.cuh"
 
@@ -160,23 +163,74 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   widen_work(0);
   sync_step(1);  // publishes tile 0's copy
   widen_work(1);
-  if (computes(0)) {
+  if (wg == 0) {  // the lead: S(j + 1) and P(j) V(j) issued right after the barrier
+    if (computes(0)) {
+      wgmma_fence();
+      issue_scores<HEAD_DIM>(s, qa, copy_address(0));
+      wgmma_wait<0>();
+      fence_operands(s);
+      softmax(0, a);
+    }
+    // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
+    // operand in flight). The loop alternates the two sets (a copy between them made ptxas
+    // serialize every wgmma).
+    auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
+        __attribute__((always_inline)) {
+      sync_step(j + 2);  // publishes tile j + 1's copy; tile j - 1's is free
+      // Issue and waits stay in one branch per warpgroup (a wgmma group that crosses a branch
+      // ptxas cannot pair serializes every wgmma); S(j + 1) of a tile past the warpgroup's
+      // rows or the range is computed and dropped (its P is zero).
+      if (computes(j)) {
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+  #pragma unroll
+          for (int i = 0; i < kOut / 4; ++i) {
+            o[4 * i] *= corr[0]; o[4 * i + 1] *= corr[0];
+            o[4 * i + 2] *= corr[1]; o[4 * i + 3] *= corr[1];
+          }
+        wgmma_fence();
+        issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
+        issue_values<HEAD_DIM>(o, cur, copy_address(j));
+        widen_work(j + 2);
+        wgmma_wait<1>();
+        fence_operands(s);
+        if (computes(j + 1)) {
+          softmax(j + 1, nxt);
+        } else {
+  #pragma unroll
+          for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
+          corr[0] = corr[1] = 1.f;
+        }
+        wgmma_wait<0>();
+        fence_operands(o);
+      } else {
+        widen_work(j + 2);
+      }
+    };
+  #pragma unroll 1
+    for (int j = 0; j < tiles; j += 2) {
+      tile_step(j, a, a_next);
+      if (j + 1 < tiles) tile_step(j + 1, a_next, a);
+    }
+  } else {
+    // The lag runs half a tile behind: softmax(j) first, then P(j) V(j) and S(j + 1) issued,
+    // running while the lead's softmax and the next barrier pass; so the two warpgroups'
+    // products alternate on the tensor cores instead of arriving together. One P register
+    // set: the wait at the top retires P(j - 1) V(j - 1) before softmax(j) writes P(j).
     wgmma_fence();
     issue_scores<HEAD_DIM>(s, qa, copy_address(0));
-    wgmma_wait<0>();
-    fence_operands(s);
-    softmax(0, a);
-  }
-  // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
-  // operand in flight). The loop alternates the two sets (a copy between them made ptxas
-  // serialize every wgmma).
-  auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
-      __attribute__((always_inline)) {
-    sync_step(j + 2);  // publishes tile j + 1's copy; tile j - 1's is free
-    // Issue and waits stay in one branch per warpgroup (a wgmma group that crosses a branch
-    // ptxas cannot pair serializes every wgmma); S(j + 1) of a tile past the warpgroup's
-    // rows or the range is computed and dropped (its P is zero).
-    if (computes(j)) {
+#pragma unroll 1
+    for (int j = 0; j < tiles; ++j) {
+      sync_step(j + 2);
+      widen_work(j + 2);
+      wgmma_wait<0>();
+      fence_operands(s);
+      if (computes(j)) {
+        softmax(j, a);
+      } else {
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt) a[kt][0] = a[kt][1] = a[kt][2] = a[kt][3] = 0u;
+        corr[0] = corr[1] = 1.f;
+      }
       if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
 #pragma unroll
         for (int i = 0; i < kOut / 4; ++i) {
@@ -184,28 +238,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           o[4 * i + 2] *= corr[1]; o[4 * i + 3] *= corr[1];
         }
       wgmma_fence();
-      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
-      issue_values<HEAD_DIM>(o, cur, copy_address(j));
-      widen_work(j + 2);
+      issue_values<HEAD_DIM>(o, a, copy_address(j));
+      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));  // past the range: dropped
+      // P V retires inside the iteration (an A-register wgmma waited across the loop's back
+      // edge made ptxas serialize every wgmma); S(j + 1) runs on into the next one.
       wgmma_wait<1>();
-      fence_operands(s);
-      if (computes(j + 1)) {
-        softmax(j + 1, nxt);
-      } else {
-#pragma unroll
-        for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
-        corr[0] = corr[1] = 1.f;
-      }
-      wgmma_wait<0>();
       fence_operands(o);
-    } else {
-      widen_work(j + 2);
     }
-  };
-#pragma unroll 1
-  for (int j = 0; j < tiles; j += 2) {
-    tile_step(j, a, a_next);
-    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
+    wgmma_wait<0>();
   }
   cp_async_wait<0>();
   if constexpr (PAGED)

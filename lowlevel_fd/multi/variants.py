@@ -15,6 +15,7 @@ from ..core.spec import KVCacheSpec
 THREADS = 128       # four warps
 STAGES = 3          # kMultiStages in multi.cu (and kWgStages in multi_wg.cu)
 WG_THREADS = 256    # multi_wg.cu: two warpgroups
+WG_COPIES = 4       # WgLayout::kCopies: widened tiles in shared memory
 WG_HEAD_DIMS = (64, 128)
 WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
 
@@ -109,13 +110,13 @@ class MultiVariant:
         """multi.cu: the pipeline's stages and the warps' Q fragments (16 bytes per lane,
         m-block and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
         lane's accumulators) and the split merge. multi_wg.cu (WgLayout::kBytes): the stages,
-        three widened tiles (fp16 K and V and their fp32 scales, 1 KB aligned), both
+        four widened tiles (fp16 K and V and their fp32 scales, 1 KB aligned), both
         warpgroups' fp16 Q (64 rows each), and 1 KB to align them."""
         if self.wgmma:
             rows = self.tile_tokens
             copy = -(-(2 * rows * self.head_dim * 2 + 8 * rows) // 1024) * 1024
             query = 2 * 64 * self.head_dim * 2
-            return STAGES * self.stage_bytes + 3 * copy + query + 1024
+            return STAGES * self.stage_bytes + WG_COPIES * copy + query + 1024
         query = (THREADS // 32) * self.row_blocks * (self.head_dim // 16) * 32 * 16
         return STAGES * self.stage_bytes + query
 
