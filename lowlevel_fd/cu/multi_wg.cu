@@ -14,8 +14,9 @@
 // right after the barrier, then widens its share of tile j + 2 and runs the softmax of
 // S(j + 1) while P(j) V(j) runs; the lag warpgroup widens first, then runs the softmax of S(j)
 // (issued in the previous iteration) and issues P(j) V(j) and S(j + 1) half a tile later, so the
-// two warpgroups' products take turns on the tensor cores (four widened copies: j + 2 being
-// written, j + 1 and j read, j - 1 still read by the lag's P V when the lead passes).
+// two warpgroups' products take turns on the tensor cores. Widened copies: j + 2 written while
+// j + 1 and j are read (the lag's S(j + 1) runs across the next barrier, its P V does not);
+// WgLayout keeps four, as measured (three suffice for this order).
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_tiles.cuh"
 

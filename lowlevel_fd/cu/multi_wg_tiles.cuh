@@ -25,8 +25,8 @@ struct WgLayout {
   static constexpr int kCopyV = kBlocks * kBlockBytes, kCopyKScale = 2 * kCopyV;
   static constexpr int kCopyVScale = kCopyKScale + 4 * kTokens;
   static constexpr int kCopyBytes = (kCopyVScale + 4 * kTokens + 1023) / 1024 * 1024;
-  // Widened tiles: j + 2 being written while j + 1 (S = Q K^T) and j (P V) are read, and
-  // j - 1 still read by the lagging warpgroup's P V (multi_wg.cu).
+  // Widened tiles: j + 2 being written while j + 1 (S = Q K^T) and j (P V) are read; a
+  // fourth, as measured (multi_wg.cu).
   static constexpr int kCopies = 4;
   static constexpr int kCopy0 = kWgStages * kStageBytes;
   static constexpr int kQ16 = kCopy0 + kCopies * kCopyBytes;  // [warpgroup][block][64][64]
