@@ -113,7 +113,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int st = jw % kWgStages;
     cp_async_wait<kWgStages - 2>();
     loader.widen(smem + st * L::kStageBytes, st);
-    __syncthreads();
+    // The warpgroups reach this barrier from their own loops (lead and lag): the unaligned
+    // form, which allows that (__syncthreads is barrier.sync.aligned: one call site for all).
+    asm volatile("barrier.sync 0, %0;" ::"n"(kWgThreads) : "memory");
     const int t_issue = start + (jw + kWgStages - 1) * L::kTokens;
     const int issue_stage = (jw + kWgStages - 1) % kWgStages;
     if (t_issue < end) {
