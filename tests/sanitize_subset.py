@@ -360,24 +360,26 @@ case("extend group 5, group 71", lambda rng, stream: (
                                                                                71, 1)))
 case("extend rotate q neox table",
      lambda rng, stream: multi.test_rotate_q_at_the_rows_positions(rng, stream, "neox", True,
-                                                                    False))
+                                                                    multi.MMA))
 case("extend graph replay",
      lambda rng, stream: multi.test_graph_replay_follows_new_lengths_and_matches_eager(
-         rng, stream, False))
-case("extend wgmma: rotate q gptj, graph replay, negative scale (sm_90)",
-     lambda rng, stream: multi.wgmma_choices()[-1] and (
-         multi.test_rotate_q_at_the_rows_positions(rng, stream, "gptj", False, True),
-         multi.test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, True),
-         multi.test_any_sign_of_the_score_scale(rng, stream, True, -0.1, 1.0)))
+         rng, stream, multi.MMA))
+for rows, kernel in zip(multi.WG_ROWS, multi.WG):
+    case(f"extend wgmma {rows} rows: rotate q gptj, graph replay, negative scale (sm_90)",
+         lambda rng, stream, kernel=kernel: len(multi.wgmma_choices()) > 1 and (
+             multi.test_rotate_q_at_the_rows_positions(rng, stream, "gptj", False, kernel),
+             multi.test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, kernel),
+             multi.test_any_sign_of_the_score_scale(rng, stream, kernel, -0.1, 1.0)))
 case("extend device guards",
-     lambda rng, stream: multi.test_device_guards_flag_and_write_nothing(rng, stream, False))
+     lambda rng, stream: multi.test_device_guards_flag_and_write_nothing(rng, stream, multi.MMA))
 case("extend bad page ids",
-     lambda rng, stream: multi.test_bad_page_ids_are_never_read(rng, stream, False))
-case("extend wgmma: device guards, bad page ids, KV splits (sm_90)",
-     lambda rng, stream: multi.wgmma_choices()[-1] and (
-         multi.test_device_guards_flag_and_write_nothing(rng, stream, True),
-         multi.test_bad_page_ids_are_never_read(rng, stream, True),
-         multi.test_wgmma_splits_merge(rng, stream, True)))
+     lambda rng, stream: multi.test_bad_page_ids_are_never_read(rng, stream, multi.MMA))
+for rows, kernel in zip(multi.WG_ROWS, multi.WG):
+    case(f"extend wgmma {rows} rows: device guards, bad page ids, KV splits (sm_90)",
+         lambda rng, stream, kernel=kernel, rows=rows: len(multi.wgmma_choices()) > 1 and (
+             multi.test_device_guards_flag_and_write_nothing(rng, stream, kernel),
+             multi.test_bad_page_ids_are_never_read(rng, stream, kernel),
+             multi.test_wgmma_splits_merge(rng, stream, True, rows)))
 import test_tree_mask_gpu as tree  # noqa: E402
 
 case("extend tree mask, arbitrary bits, paged nhd page 1, d256",

@@ -84,7 +84,14 @@ def test_constructor_takes_a_spec():
      r"ksplit 2, tree=False$"),
     ({"wgmma": True, "tree": True}, ValueError,
      r"^wgmma: the warpgroup-MMA kernel takes whole tiles \(ksplit 1, no tree masks\), got "
-     r"ksplit 2, tree=True$"),
+     r"ksplit None, tree=True$"),
+    ({"wg_rows": 32}, ValueError, r"^wg_rows: expected one of \(128, 64\), got 32$"),
+    ({"wg_rows": True}, ValueError, r"^wg_rows: expected one of \(128, 64\), got True$"),
+    ({"wg_rows": 64, "wgmma": False}, ValueError,
+     r"^wg_rows: the warpgroup kernel's rows, given with wgmma=False \(got wg_rows=64\)$"),
+    ({"wg_rows": 64, "ksplit": 2}, ValueError,
+     r"^wgmma: the warpgroup-MMA kernel takes whole tiles \(ksplit 1, no tree masks\), got "
+     r"ksplit 2, tree=False$"),
 ])
 def test_plan_rejects_bad_options_before_loading(options, error, message):
     # A stand-in device: reaching the compiler or the driver would fail differently.
@@ -109,21 +116,37 @@ def test_wgmma_needs_hopper_and_head_dim_64_or_128(arch, head_dim):
         plan.plan([0, 2], [5], wgmma=True)
 
 
-@pytest.mark.parametrize("arch, head_dim, qo, tree, expected", [
-    ("sm_90", 128, 100, False, True), ("sm_90", 64, 100, False, True),
-    ("sm_90a", 128, 100, False, True),
-    ("sm_90", 128, 4, False, False),   # 16 rows: split warps
-    ("sm_90", 128, 20, False, False),  # 80 rows: no full 128-row CTA, mma.sync
-    ("sm_90", 128, 100, True, False),  # tree masks: split warps
-    ("sm_90", 256, 100, False, False), ("sm_80", 128, 100, False, False),
-    ("sm_100", 128, 100, False, False),
+MMA = (False, 128)
+
+
+@pytest.mark.parametrize("arch, head_dim, rows, tree, ksplit, expected", [
+    ("sm_90", 128, 400, False, None, (True, 128)), ("sm_90", 64, 400, False, None, (True, 128)),
+    ("sm_90a", 128, 400, False, None, (True, 128)),
+    ("sm_90", 128, 65, False, None, (True, 128)),  # more than a 64-row CTA holds
+    ("sm_90", 128, 64, False, None, (True, 64)),    # a multi-query group of 64
+    ("sm_90", 128, 33, False, None, (True, 64)),
+    ("sm_90", 128, 32, False, None, MMA),          # drafts of 32 rows: split warps
+    ("sm_90", 128, 16, False, None, MMA),
+    ("sm_90", 128, 400, False, 2, MMA),            # split warps asked for
+    ("sm_90", 128, 400, True, None, MMA),          # tree masks: split warps
+    ("sm_90", 256, 400, False, None, MMA), ("sm_80", 128, 400, False, None, MMA),
+    ("sm_100", 128, 400, False, None, MMA),
 ])
-def test_the_planner_picks_wgmma_for_whole_tiles_on_hopper(arch, head_dim, qo, tree, expected):
+def test_the_planner_picks_wgmma_for_whole_tiles_on_hopper(arch, head_dim, rows, tree, ksplit,
+                                                          expected):
     plan = MultiPlan.create(32, 8, head_dim, max_batch=2, max_seq_len=64,
                             device=device_of(arch))
-    ksplit = 2 if head_dim != 64 else 4
-    chosen = 1 if qo * 4 > 32 and not tree else ksplit
-    assert plan._wgmma_choice(None, chosen, tree, qo * 4) is expected
+    assert plan._wgmma_choice(None, None, ksplit, tree, rows) == expected
+
+
+@pytest.mark.parametrize("wgmma, wg_rows, rows, expected", [
+    (True, None, 64, (True, 64)), (True, None, 65, (True, 128)), (True, None, 16, (True, 64)),
+    (None, 128, 16, (True, 128)), (True, 64, 4000, (True, 64)), (False, None, 4000, MMA),
+])
+def test_forced_warpgroup_kernels(wgmma, wg_rows, rows, expected):
+    """wgmma=True picks the smaller CTA that holds a sequence's rows; wg_rows picks one."""
+    plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=device_of("sm_90"))
+    assert plan._wgmma_choice(wgmma, wg_rows, None, False, rows) == expected
 
 
 def test_wgmma_variants_build_for_hopper_only():
@@ -285,18 +308,22 @@ def test_error_bits_match_the_header():
 
 def test_shipped_variants_cover_the_matrix():
     variants = list(shipped_variants())
-    keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit, v.wgmma)
-            for v in variants}
+    keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit, v.wgmma,
+             v.wg_rows) for v in variants}
     # mma.sync: 3 head dims x 2 dtypes x 4 scale configurations x 2 storages x 2 KSPLITs;
-    # wgmma: head_dim 64 and 128 x 2 x 4 x 2
-    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2
+    # wgmma: head_dim 64 and 128 x 2 x 4 x 2, CTAs of 128 and of 64 rows
+    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2 * 2
     for v in variants:
         assert v.shared_bytes <= 227 * 1024
         if v.wgmma:
-            assert v.rows_per_cta == 128 and v.threads == 256 and v.tile_tokens == 64
-            assert v.source == "multi_wg.cu"
-            assert re.fullmatch(r"llfd::multi_attend_wg<(64|128), \d, llfd::(f16|bf16), "
-                                r"(float|uint16_t), (true|false)>", v.kernel)
+            assert v.rows_per_cta == v.wg_rows and v.threads == 2 * v.wg_rows
+            assert v.tile_tokens == 64
+            # Two CTAs of 64 rows per SM: 228 KB per SM, 1 KB of it reserved per CTA.
+            assert v.wg_rows == 128 or 2 * (v.shared_bytes + 1024) <= 228 * 1024
+            suffix = "" if v.wg_rows == 128 else "64"
+            assert v.source == f"multi_wg{suffix}.cu"
+            assert re.fullmatch(rf"llfd::multi_attend_wg{suffix}<(64|128), \d, "
+                                r"llfd::(f16|bf16), (float|uint16_t), (true|false)>", v.kernel)
             continue
         one_block = v.head_dim == 256 or v.ksplit > 1
         assert v.rows_per_cta == 16 * (1 if one_block else 2) * 4 // v.ksplit
@@ -306,7 +333,12 @@ def test_shipped_variants_cover_the_matrix():
 
 
 def test_wgmma_shared_memory_matches_the_layout():
-    """WgLayout (multi_wg.cu): three 1 KB-aligned int8 stages, four widened tiles, two
-    warpgroups' fp16 Q, 1 KB of alignment slack."""
+    """WgLayout: at 128 rows (multi_wg.cu) three 1 KB-aligned int8 stages, four widened tiles,
+    two warpgroups' fp16 Q; at 64 rows (multi_wg64.cu) two stages and two widened tiles (Q
+    staged in the second); 1 KB of alignment slack."""
     assert MultiVariant(128, wgmma=True).shared_bytes == 3 * 17408 + 4 * 33792 + 32768 + 1024
     assert MultiVariant(64, wgmma=True).shared_bytes == 3 * 9216 + 4 * 17408 + 16384 + 1024
+    assert MultiVariant(128, wgmma=True, wg_rows=64).shared_bytes == 2 * 17408 + 2 * 33792 + 1024
+    assert MultiVariant(64, wgmma=True, wg_rows=64).shared_bytes == 2 * 9216 + 2 * 17408 + 1024
+    with pytest.raises(ValueError, match=r"^wg_rows: expected one of \(128, 64\), got 32$"):
+        MultiVariant(128, wgmma=True, wg_rows=32)

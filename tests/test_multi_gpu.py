@@ -14,7 +14,7 @@ from multi_case import TOLERANCE, MultiCase, relative_error
 from lowlevel_fd import ERROR_BAD_PAGE, ERROR_OUTSIDE_CACHE, ERROR_QUERY_RANGE
 from lowlevel_fd.append.reference import rotate
 from lowlevel_fd.driver import Device, DeviceArray, capture
-from lowlevel_fd.multi.variants import ksplits, wgmma_available
+from lowlevel_fd.multi.variants import WG_ROWS, ksplits, wgmma_available
 
 pytestmark = pytest.mark.gpu
 
@@ -27,18 +27,26 @@ QO = [1, 5, 0, 70, 17]
 KV = [1, 37, 10, 70, 300]
 
 
-def kernels(head_dim: int) -> list[tuple[int, bool]]:
-    """(ksplit, wgmma) of every kernel a plan may pick at this head_dim on this device."""
-    picks = [(ksplit, False) for ksplit in ksplits(head_dim)]
+MMA = {"wgmma": False}  # plan() keywords: the mma.sync kernel, the warpgroup kernels
+WG = [{"wgmma": True, "wg_rows": rows} for rows in WG_ROWS]
+
+
+def kernels(head_dim: int) -> list[dict]:
+    """plan() keywords of every kernel a plan may pick at this head_dim on this device."""
+    picks = [{"ksplit": ksplit, "wgmma": False} for ksplit in ksplits(head_dim)]
     if wgmma_available(Device(0).arch, head_dim):
-        picks.append((1, True))
+        picks += [{"ksplit": 1, **kernel} for kernel in WG]
     return picks
 
 
-def wgmma_choices() -> list[bool]:
-    """Both kernels for whole-tile chunks where the device has the warpgroup one (collection
-    time: no device is touched without a GPU)."""
-    return [False, True] if HAS_GPU and wgmma_available(Device(0).arch, 128) else [False]
+def wgmma_choices() -> list[dict]:
+    """The kernels for whole-tile chunks: mma.sync, and the warpgroup ones where the device
+    has them (collection time: no device is touched without a GPU)."""
+    return [MMA] + WG if HAS_GPU and wgmma_available(Device(0).arch, 128) else [MMA]
+
+
+def kernel_id(kernel: dict) -> str:
+    return f"wg{kernel['wg_rows']}" if kernel.get("wgmma") else "mma"
 
 
 def check(case: MultiCase, *, causal: bool = True, q: np.ndarray | None = None) -> None:
@@ -59,9 +67,9 @@ def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, sca
     case = MultiCase(QO, KV, 8, 2, head_dim, layout, page_size, scale_mode, scale_dtype,
                      dtype).fill(rng)
     case.upload(rng)
-    for causal, (ksplit, wgmma) in itertools.product((True, False), kernels(head_dim)):
+    for causal, kernel in itertools.product((True, False), kernels(head_dim)):
         with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, causal=causal, ksplit=ksplit, wgmma=wgmma)
+            plan.plan(case.indptr, case.kv_lens, causal=causal, **kernel)
             case.run(plan, stream)
             stream.synchronize()
             check(case, causal=causal)
@@ -73,9 +81,9 @@ def test_matrix_matches_the_oracle(rng, stream, head_dim, dtype, scale_mode, sca
 def test_every_group_size(rng, stream, num_q_heads, num_kv_heads):
     case = MultiCase([3, 1, 40], [200, 1, 40], num_q_heads, num_kv_heads).fill(rng)
     case.upload(rng)
-    for ksplit, wgmma in kernels(128):
+    for kernel in kernels(128):
         with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, ksplit=ksplit, wgmma=wgmma)
+            plan.plan(case.indptr, case.kv_lens, **kernel)
             case.run(plan, stream)
             stream.synchronize()
             check(case)
@@ -105,17 +113,19 @@ def test_speculative_shapes_split_the_kv_and_merge(rng, stream, qo_len, causal, 
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_wgmma_splits_merge(rng, stream, causal):
-    """The warpgroup kernel with its KV cut into splits (forced) against the oracle and its
-    unsplit run: a 160-row chunk over a long prefix, a short one, an empty row."""
-    if not wgmma_choices()[-1]:
-        pytest.skip("the warpgroup-MMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("wg_rows", WG_ROWS)
+def test_wgmma_splits_merge(rng, stream, causal, wg_rows):
+    """The warpgroup kernels with their KV cut into splits (forced) against the oracle and
+    their unsplit run: a 160-row chunk over a long prefix, a short one, an empty row."""
+    if len(wgmma_choices()) == 1:
+        pytest.skip("the warpgroup-MMA kernels need an sm_90 GPU")
     case = MultiCase([40, 3, 0], [5000, 900, 7], 32, 8, 128).fill(rng)
     case.upload(rng)
     results = []
     for splits in (5, 1):
         with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits, wgmma=True)
+            plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits,
+                      wg_rows=wg_rows)
             case.run(plan, stream)
             stream.synchronize()
             check(case, causal=causal)
@@ -141,8 +151,8 @@ def test_long_prefill_rows_match_the_oracle(rng, stream):
 
 @pytest.mark.parametrize("rope", ["neox", "gptj"])
 @pytest.mark.parametrize("table", [False, True])
-@pytest.mark.parametrize("wgmma", wgmma_choices())
-def test_rotate_q_at_the_rows_positions(rng, stream, rope, table, wgmma):
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_rotate_q_at_the_rows_positions(rng, stream, rope, table, kernel):
     from lowlevel_fd.reference import rope_table
     case = MultiCase([7, 64], [50, 64], 8, 2, 128).fill(rng)
     d = case.upload(rng)
@@ -150,20 +160,20 @@ def test_rotate_q_at_the_rows_positions(rng, stream, rope, table, wgmma):
     positions = np.concatenate([np.arange(43, 50), np.arange(64)])
     rotated = rotate(case.host["q"], positions, rope)
     with case.make_plan(rope=rope) as plan:
-        plan.plan(case.indptr, case.kv_lens, wgmma=wgmma)
+        plan.plan(case.indptr, case.kv_lens, **kernel)
         case.run(plan, stream, rotate_q=True, cos_sin=cos_sin)
         stream.synchronize()
         check(case, q=rotated)
     assert d["q"].numpy().tobytes() == case.host["q"].tobytes()  # q itself is not modified
 
 
-@pytest.mark.parametrize("wgmma", wgmma_choices())
-def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, wgmma):
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, kernel):
     case = MultiCase([4, 4, 4], [900, 300, 40], 32, 8, 128, capacity=1024).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
         # ksplit 1: 128 rows per tile, room for 32 tokens x the group (4) per sequence
-        plan.plan(case.indptr, [1024, 1024, 1024], ksplit=1, wgmma=wgmma)
+        plan.plan(case.indptr, [1024, 1024, 1024], ksplit=1, **kernel)
         with capture(stream) as graph:
             case.run(plan, stream)
         for qo, kv in (([4, 4, 4], [900, 300, 40]), ([1, 8, 3], [1024, 8, 3]),
@@ -184,17 +194,17 @@ def test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, wgmma):
         assert plan.error_flags(stream=stream) == 0
 
 
-@pytest.mark.parametrize("wgmma", wgmma_choices())
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
 @pytest.mark.parametrize("sm_scale, k_scale", [(-0.1, 1.0), (0.1, -1.0), (0.1, 0.0),
                                                (-0.05, -2.0)])
-def test_any_sign_of_the_score_scale(rng, stream, wgmma, sm_scale, k_scale):
+def test_any_sign_of_the_score_scale(rng, stream, kernel, sm_scale, k_scale):
     """A negative sm_scale or per-head K scale, or a zero one, against the oracle (the
     warpgroup kernel takes the row maximum before the scale: it flips q's sign instead)."""
     case = MultiCase([70, 33], [200, 33], 8, 2, 128, scale_mode="head").fill(rng)
     case.host["k_scale"] = (case.host["k_scale"] * np.float32(k_scale)).astype(np.float32)
     case.upload(rng)
     with case.make_plan(sm_scale=sm_scale) as plan:
-        plan.plan(case.indptr, case.kv_lens, ksplit=1, wgmma=wgmma)
+        plan.plan(case.indptr, case.kv_lens, ksplit=1, **kernel)
         case.run(plan, stream)
         stream.synchronize()
     ref_out, ref_lse = case.reference(sm_scale=sm_scale)
@@ -203,12 +213,12 @@ def test_any_sign_of_the_score_scale(rng, stream, wgmma, sm_scale, k_scale):
     np.testing.assert_allclose(case.device["lse"].numpy(), ref_lse, rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("wgmma", wgmma_choices())
-def test_device_guards_flag_and_write_nothing(rng, stream, wgmma):
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_device_guards_flag_and_write_nothing(rng, stream, kernel):
     case = MultiCase([3, 4, 5], [10, 20, 30], 8, 2, 64).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens, ksplit=1 if wgmma else None, wgmma=wgmma)
+        plan.plan(case.indptr, case.kv_lens, ksplit=1 if kernel["wgmma"] else None, **kernel)
         # A chunk longer than its KV: sequence 0 writes nothing (its rows keep the NaN
         # poison); the others are exact.
         d["seq_lens"].copy_from_numpy(np.array([2, 20, 30], np.int32))
@@ -231,8 +241,8 @@ def test_device_guards_flag_and_write_nothing(rng, stream, wgmma):
         assert plan.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE
 
 
-@pytest.mark.parametrize("wgmma", wgmma_choices())
-def test_bad_page_ids_are_never_read(rng, stream, wgmma):
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_bad_page_ids_are_never_read(rng, stream, kernel):
     case = MultiCase([5, 9], [40, 90], 8, 2, 128, "nhd", 16).fill(rng)
     d = case.upload(rng)
     table = d["block_table"].numpy()
@@ -240,7 +250,7 @@ def test_bad_page_ids_are_never_read(rng, stream, wgmma):
     table[0, 1] = 1 << 30
     d["block_table"].copy_from_numpy(table)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens, wgmma=wgmma)
+        plan.plan(case.indptr, case.kv_lens, **kernel)
         case.run(plan, stream)
         assert plan.error_flags(stream=stream) == ERROR_BAD_PAGE
         assert np.isfinite(d["out"].numpy()).all()

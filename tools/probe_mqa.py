@@ -5,9 +5,9 @@ one query token per sequence: which kernel family streams the shared KV head bet
 
 Needs torch and a GPU. L2-honest: L >= 2 layers with distinct caches per graph replay, L x KV
 bytes >= 200 MiB; us per layer (median of 30 replays); % of the read reference measured in the
-same run. MultiPlan is timed at every kernel (mma.sync with ksplit 1 or split warps, wgmma on
-sm_90) x num_splits setting and the best is reported (its planner is tuned for prefill and
-drafts, not for this shape); both outputs are compared.
+same run. MultiPlan is timed at every kernel (mma.sync with ksplit 1 or split warps; on sm_90
+the warpgroup kernels with CTAs of 128 and of 64 rows) x num_splits setting; the best and the
+planner's own pick are reported; each MultiPlan output is compared with decode's.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     from benchlib.multi_torch import time_graph
     from lowlevel_fd import DecodePlan, MultiPlan
     from lowlevel_fd.driver import Device, Stream
-    from lowlevel_fd.multi.variants import ksplits, wgmma_available
+    from lowlevel_fd.multi.variants import WG_ROWS, ksplits, wgmma_available
 
     device = Device(0)
     wgmma_ok = wgmma_available(device.arch, D)
@@ -60,29 +60,42 @@ def main(argv=None) -> int:
         indptr_host = list(range(batch + 1))
         indptr = torch.tensor(indptr_host, dtype=torch.int32, device="cuda")
         multi = {}
-        kernels = [(1, False), (ksplits(D)[-1], False)] + ([(1, True)] if wgmma_ok else [])
-        for (ksplit, wgmma), splits in itertools.product(kernels, (None, 1, 2, 4, 8)):
+        kernels = {"ksplit 1": {"ksplit": 1, "wgmma": False},
+                   f"ksplit {ksplits(D)[-1]}": {"ksplit": ksplits(D)[-1], "wgmma": False}}
+        if wgmma_ok:
+            kernels.update({f"wgmma {rows}": {"wg_rows": rows} for rows in WG_ROWS})
+        kernels["planner"] = {}
+        diff = 0.0
+        for (name, options), splits in itertools.product(kernels.items(), (None, 1, 2, 4, 8)):
+            if name == "planner" and splits is not None:
+                continue
             plan = MultiPlan.create(hq, 1, D, max_batch=batch, max_seq_len=S).plan(
-                indptr_host, [S] * batch, causal=False, ksplit=ksplit, num_splits=splits,
-                wgmma=wgmma)
+                indptr_host, [S] * batch, causal=False, num_splits=splits, **options)
+            o_multi.fill_(float("nan"))
             t = time_graph(lambda: [plan.run(q, *c, lens, indptr, o_multi, stream=current())
                                     for c in caches], iters=30, warmup=5, per=layers)
-            name = "wgmma" if wgmma else f"ksplit {ksplit}"
+            if name == "planner":
+                name = f"planner ({plan.describe()['kernel'].split('<')[0]})"
             multi[f"{name}, splits {splits or 'planned'}"] = t["median_us"]
             plan.close()
-        torch.cuda.synchronize()
-        diff = float((o_dec.float() - o_multi.float()).abs().max() / o_dec.float().abs().max())
+            torch.cuda.synchronize()
+            diff = max(diff, float((o_dec.float() - o_multi.float()).abs().max()
+                                   / o_dec.float().abs().max()))
         best = min(multi, key=multi.get)
+        planned = next(key for key in multi if key.startswith("planner"))
         share = kv / 1e3 / gbps * 100  # % of the reference at 1 us
         row = {"batch": batch, "num_q_heads": hq, "num_kv_heads": 1, "layers": layers,
                "kv_bytes_per_layer": kv, "decode_us": t_dec["median_us"],
                "decode_pct": share / t_dec["median_us"], "multi_best": best,
-               "multi_us": multi[best], "multi_pct": share / multi[best], "multi_all": multi,
+               "multi_us": multi[best], "multi_pct": share / multi[best],
+               "planned": planned, "planned_us": multi[planned],
+               "planned_pct": share / multi[planned], "multi_all": multi,
                "max_rel_diff": diff}
         rows.append(row)
         print(f"B={batch} group {hq}: {kv / 2**20:.0f} MiB/layer, L={layers}: decode "
               f"{row['decode_us']:.1f} us ({row['decode_pct']:.1f}%), MultiPlan best {best}: "
-              f"{row['multi_us']:.1f} us ({row['multi_pct']:.1f}%), outputs within {diff:.1e}",
+              f"{row['multi_us']:.1f} us ({row['multi_pct']:.1f}%), {planned}: "
+              f"{row['planned_us']:.1f} us ({row['planned_pct']:.1f}%), outputs within {diff:.1e}",
               flush=True)
         decode.close()
         caches.clear()

@@ -18,15 +18,16 @@
 // j + 1 and j are read (the lag's S(j + 1) runs across the next barrier, its P V does not);
 // WgLayout keeps four, as measured (three suffice for this order).
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
-#include "multi_wg_tiles.cuh"
+#include "multi_wg_rows.cuh"
 
 namespace llfd {
 
 template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED>
-__global__ void __launch_bounds__(kWgThreads, 1)
+__global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     multi_attend_wg(const __grid_constant__ MultiParams p) {
   using L = WgLayout<HEAD_DIM>;
   constexpr int kChunks = HEAD_DIM / 16, kNB = L::kTokens / 8, kKT = L::kTokens / 16;
+  constexpr int kStages = L::kStages;
   constexpr int kOut = HEAD_DIM / 2;  // accumulators per thread: 64 rows x HEAD_DIM / 128
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem_raw[];
@@ -68,56 +69,26 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     visible[hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
   }
 
-  TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, kWgThreads> loader(b, kvh);
-  loader.prime<kWgStages>(p, base, L::kStageBytes, start, end);
+  TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kThreads> loader(b, kvh);
+  loader.prime<kStages>(p, base, L::kStageBytes, start, end);
 
-  // Q rows: fp16 (bf16 and rotated rows scaled per row into fp16 range) into the warpgroup's
-  // swizzled copy; the lane that holds a row's scores keeps its scale.
-  float k_const = p.score_scale_log2, v_const = 1.f;
-  if constexpr (!kTokenScales) {
-    k_const *= given_scale<SCALE_MODE>(p.k_scale, kvh);
-    v_const = given_scale<SCALE_MODE>(p.v_scale, kvh);
-  }
-  float row_const[2];
-  {
-    uint32_t qf[kChunks][4];
-    load_rows<HEAD_DIM, QT>(qf, row_const, p, sr, kvh, r_lo, c);
-    // The row scales must be positive (softmax_tile scales after the maximum): a negative
-    // sm_scale or K scale flips q's sign instead (exact in fp16), a zero one acts as the
-    // smallest normal one (every score ~0, as zero gives).
-    const uint32_t flip = k_const < 0.f ? 0x80008000u : 0u;
-    row_const[0] = fmaxf(row_const[0] * fabsf(k_const), 1.17549435e-38f);
-    row_const[1] = fmaxf(row_const[1] * fabsf(k_const), 1.17549435e-38f);
-    char* const q16 = smem + L::kQ16 + wg * L::kBlocks * L::kBlockBytes;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-      for (int s = 0; s < kChunks; ++s)  // dims 16 s + 4 c .. + 3
-        *reinterpret_cast<uint2*>(q16 + L::at(16 * (warp % 4) + g + 8 * hr, 2 * s + (c >> 1)) +
-                                  8 * (c & 1)) = make_uint2(qf[s][hr] ^ flip, qf[s][2 + hr] ^ flip);
-  }
-  // ... and back as the score mma's A fragments (the warp's own 16 rows): Q stays in registers.
-  __syncwarp();
   uint32_t qa[kChunks][4];
-  {
-    const uint32_t q16 = base + L::kQ16 + wg * L::kBlocks * L::kBlockBytes;
-#pragma unroll
-    for (int kk = 0; kk < kChunks; ++kk)
-      ldmatrix_x4(qa[kk], q16 + L::at(16 * (warp % 4) + (lane & 15), 2 * kk + (lane >> 4)));
-  }
+  float row_const[2], v_const;
+  wg_load_query<HEAD_DIM, SCALE_MODE, QT>(qa, row_const, v_const, p, sr, kvh, r_lo, warp % 4,
+                                          lane, smem + L::kQ16 + wg * L::kBlocks * L::kBlockBytes);
   auto copy_of = [&](int j) __attribute__((always_inline)) { return j % L::kCopies; };
 
   // Tile jw's int8 rows have landed: publish them (and the copies widened before this
   // barrier), then refill the stage of tile jw - 1 with tile jw + 2.
   auto sync_step = [&](int jw) __attribute__((always_inline)) {
-    const int st = jw % kWgStages;
-    cp_async_wait<kWgStages - 2>();
+    const int st = jw % kStages;
+    cp_async_wait<kStages - 2>();
     loader.widen(smem + st * L::kStageBytes, st);
     // The warpgroups reach this barrier from their own loops (lead and lag): the unaligned
     // form, which allows that (__syncthreads is barrier.sync.aligned: one call site for all).
-    asm volatile("barrier.sync 0, %0;" ::"n"(kWgThreads) : "memory");
-    const int t_issue = start + (jw + kWgStages - 1) * L::kTokens;
-    const int issue_stage = (jw + kWgStages - 1) % kWgStages;
+    asm volatile("barrier.sync 0, %0;" ::"n"(L::kThreads) : "memory");
+    const int t_issue = start + (jw + kStages - 1) * L::kTokens;
+    const int issue_stage = (jw + kStages - 1) % kStages;
     if (t_issue < end) {
       loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
       loader.fetch(p, t_issue + L::kTokens, end);
@@ -126,7 +97,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   };
   auto widen_work = [&](int jw) __attribute__((always_inline)) {
     if (jw < tiles) {
-      widen_tile<HEAD_DIM, kTokenScales>(smem + (jw % kWgStages) * L::kStageBytes,
+      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + (jw % kStages) * L::kStageBytes,
                                          smem + L::kCopy0 + copy_of(jw) * L::kCopyBytes);
       fence_proxy_async();
     }
@@ -184,12 +155,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       // ptxas cannot pair serializes every wgmma); S(j + 1) of a tile past the warpgroup's
       // rows or the range is computed and dropped (its P is zero).
       if (computes(j)) {
-        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
-  #pragma unroll
-          for (int i = 0; i < kOut / 4; ++i) {
-            o[4 * i] *= corr[0]; o[4 * i + 1] *= corr[0];
-            o[4 * i + 2] *= corr[1]; o[4 * i + 3] *= corr[1];
-          }
+        rescale_rows(o, corr);
         wgmma_fence();
         issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
         issue_values<HEAD_DIM>(o, cur, copy_address(j));
@@ -234,12 +200,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         for (int kt = 0; kt < kKT; ++kt) a[kt][0] = a[kt][1] = a[kt][2] = a[kt][3] = 0u;
         corr[0] = corr[1] = 1.f;
       }
-      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
-#pragma unroll
-        for (int i = 0; i < kOut / 4; ++i) {
-          o[4 * i] *= corr[0]; o[4 * i + 1] *= corr[0];
-          o[4 * i + 2] *= corr[1]; o[4 * i + 3] *= corr[1];
-        }
+      rescale_rows(o, corr);
       wgmma_fence();
       issue_values<HEAD_DIM>(o, a, copy_address(j));
       issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));  // past the range: dropped
@@ -258,32 +219,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
   if (wg_active)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r_lo + 8 * hr, local = r - row0;
-      const float sum = warp_sum_xor(l[hr], 2);
-      if (r >= sr.rows) continue;
-      const float lse2 = sum > 0.f ? m[hr] + __log2f(sum) : kNegInf;
-      const float f = sum > 0.f ? v_const * v_ref / sum : 0.f;
-      if (active == 1) {
-        const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;
-        const int64_t q_row = sr.q0 + token;
-        uint32_t* dst = reinterpret_cast<uint32_t*>(
-            static_cast<uint16_t*>(p.out) + q_row * p.out_token_stride + head * p.out_head_stride);
-#pragma unroll
-        for (int j = 0; j < kOut / 4; ++j)  // dims 8 j + 2 c, + 1
-          dst[4 * j + c] = pack2<QT>(o[4 * j + 2 * hr] * f, o[4 * j + 2 * hr + 1] * f);
-        if (p.lse != nullptr && c == 0)
-          p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2 * kMultiLn2;
-      } else {
-        float* dst = p.partial_out + (part * L::kCtaRows + local) * HEAD_DIM;
-#pragma unroll
-        for (int j = 0; j < kOut / 4; ++j)
-          *reinterpret_cast<float2*>(dst + 8 * j + 2 * c) =
-              make_float2(o[4 * j + 2 * hr] * f, o[4 * j + 2 * hr + 1] * f);
-        if (c == 0) p.partial_lse[part * L::kCtaRows + local] = lse2;
-      }
-    }
+    wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, v_const * v_ref, kvh, row0, r_lo, c,
+                                            part, active);
   if (active == 1) return;
 
   merge_if_last<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,

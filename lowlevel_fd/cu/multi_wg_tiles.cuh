@@ -9,15 +9,17 @@
 
 namespace llfd {
 
-constexpr int kWgStages = 3;     // KV tiles in flight
-constexpr int kWgThreads = 256;  // two warpgroups
-
-template <int HEAD_DIM>
+// CTA shapes: 128 query rows (two warpgroups, multi_wg.cu: one CTA per SM) or 64 (one
+// warpgroup, multi_wg64.cu: two CTAs per SM, so the shared memory holds half as much).
+template <int HEAD_DIM, int ROWS = 128>
 struct WgLayout {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "rows of one or two 64-dim blocks");
-  static constexpr int kTokens = 64;    // KV tokens per tile: the score mma's N
-  static constexpr int kCtaRows = 128;  // query rows: 64 per warpgroup
-  using Stage = MultiTile<HEAD_DIM, kTokens, kWgThreads>;
+  static_assert(ROWS == 64 || ROWS == 128, "one or two warpgroups");
+  static constexpr int kTokens = 64;      // KV tokens per tile: the score mma's N
+  static constexpr int kCtaRows = ROWS;   // query rows: 64 per warpgroup
+  static constexpr int kThreads = 2 * ROWS;
+  static constexpr int kStages = ROWS == 128 ? 3 : 2;  // int8 KV tiles in flight
+  using Stage = MultiTile<HEAD_DIM, kTokens, kThreads>;
   static constexpr int kStageBytes = (Stage::kBytes + 1023) / 1024 * 1024;
   static constexpr int kBlocks = HEAD_DIM / 64;  // 64-dim blocks of an fp16 row
   static constexpr int kBlockBytes = 64 * 128;   // 64 rows of 64 fp16
@@ -25,12 +27,16 @@ struct WgLayout {
   static constexpr int kCopyV = kBlocks * kBlockBytes, kCopyKScale = 2 * kCopyV;
   static constexpr int kCopyVScale = kCopyKScale + 4 * kTokens;
   static constexpr int kCopyBytes = (kCopyVScale + 4 * kTokens + 1023) / 1024 * 1024;
-  // Widened tiles: j + 2 being written while j + 1 (S = Q K^T) and j (P V) are read; a
-  // fourth, as measured (multi_wg.cu).
-  static constexpr int kCopies = 4;
-  static constexpr int kCopy0 = kWgStages * kStageBytes;
-  static constexpr int kQ16 = kCopy0 + kCopies * kCopyBytes;  // [warpgroup][block][64][64]
-  static constexpr int kBytes = kQ16 + 2 * kBlocks * kBlockBytes;
+  // Widened tiles. Two warpgroups: j + 2 being written while j + 1 (S = Q K^T) and j (P V)
+  // are read, and a fourth, as measured (multi_wg.cu). One: j + 1 written while j is read.
+  static constexpr int kCopies = ROWS == 128 ? 4 : 2;
+  static constexpr int kCopy0 = kStages * kStageBytes;
+  // The warpgroups' fp16 Q ([warpgroup][block][64][64]), read once into registers: one
+  // warpgroup stages it in copy 1, written first in the loop's first step.
+  static constexpr int kQ16 = ROWS == 128 ? kCopy0 + kCopies * kCopyBytes : kCopy0 + kCopyBytes;
+  static constexpr int kBytes =
+      ROWS == 128 ? kQ16 + 2 * kBlocks * kBlockBytes : kCopy0 + kCopies * kCopyBytes;
+  static_assert(ROWS == 128 || kBlocks * kBlockBytes <= kCopyBytes, "Q fits a copy");
   // Row r's 8-element chunk c (0 .. HEAD_DIM / 8) in a [block][64][64] fp16 array.
   __device__ static __forceinline__ int at(int r, int c) {
     return (c >> 3) * kBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
@@ -39,15 +45,15 @@ struct WgLayout {
 
 // A stage's int8 K and V rows -> a copy in fp16 (each thread its share of 16-byte chunks), and
 // per-token scales alongside (the stage is refilled before the tile's softmax).
-template <int HEAD_DIM, bool TOKEN_SCALES>
+template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES>
 __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
-  using L = WgLayout<HEAD_DIM>;
+  using L = WgLayout<HEAD_DIM, ROWS>;
   constexpr int kChunks = HEAD_DIM / 16;
 #pragma unroll
-  for (int i = 0; i < L::kTokens * kChunks / kWgThreads; ++i) {
+  for (int i = 0; i < L::kTokens * kChunks / L::kThreads; ++i) {
     // Consecutive threads take consecutive tokens of one chunk column: the eight rows of a
     // 16-byte access phase have distinct swizzled chunks (no bank conflicts), read and write.
-    const int idx = static_cast<int>(threadIdx.x) + i * kWgThreads;
+    const int idx = static_cast<int>(threadIdx.x) + i * L::kThreads;
     const int t = idx % L::kTokens, ch = idx / L::kTokens;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {

@@ -17,8 +17,8 @@ from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
 from .bind import MultiBinder
 from .params import MultiParams
-from .planner import MAX_SPLITS, WGMMA_MIN_ROWS, MultiWorkload, choose_ksplit, choose_splits
-from .variants import MultiVariant, ksplits, wgmma_available
+from .planner import MAX_SPLITS, MultiWorkload, choose_ksplit, choose_splits, choose_wg_rows
+from .variants import WG_ROWS, MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
 MAX_GRID_Z = 65535  # the batch is grid.z
@@ -95,15 +95,18 @@ class MultiPlan(OnCache, CreatedFromOptions):
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
              num_splits: int | None = None, ksplit: int | None = None,
-             tree: bool = False, wgmma: bool | None = None) -> "MultiPlan":
+             tree: bool = False, wgmma: bool | None = None,
+             wg_rows: int | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
         ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
         ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
         its warps per 16 query rows (see ``ksplits``). ``tree``: run() will take tree masks
         (speculative trees); the plan then uses the split-warp kernel (ksplit > 1), which
         alone carries the mask. ``wgmma``: force (True) or forbid (False) the Hopper
-        warpgroup-MMA kernel (sm_90, head_dim 64/128, whole tiles per warpgroup); None lets
-        the planner pick it wherever it applies."""
+        warpgroup-MMA kernels (sm_90, head_dim 64/128, whole tiles per warpgroup); None lets
+        the planner pick them wherever they apply. ``wg_rows`` (implies ``wgmma=True``): the
+        warpgroup kernel's query rows per CTA, 128 (two warpgroups) or 64 (one, two CTAs per
+        SM); by default the planner's, or the smaller that holds a sequence's rows."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
@@ -113,15 +116,15 @@ class MultiPlan(OnCache, CreatedFromOptions):
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
         allowed = ksplits(self.head_dim)[1:] if tree else ksplits(self.head_dim)
-        if ksplit is None:
-            ksplit = (allowed[-1] if tree else 1 if wgmma else
-                      choose_ksplit(qo_lens, self.group_size, self.head_dim))
-        elif ksplit not in allowed:
+        if ksplit is not None and ksplit not in allowed:
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
                              f"{' with tree=True' if tree else ''}, got {ksplit!r}")
-        use_wgmma = self._wgmma_choice(wgmma, ksplit, tree,
-                                       int(qo_lens.max()) * self.group_size)
-        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma)
+        use_wgmma, wg_rows = self._wgmma_choice(wgmma, wg_rows, ksplit, tree,
+                                                int(qo_lens.max()) * self.group_size)
+        if ksplit is None:
+            ksplit = (allowed[-1] if tree else 1 if use_wgmma else
+                      choose_ksplit(qo_lens, self.group_size, self.head_dim))
+        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma, wg_rows)
         threads = self.variant.threads
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
                              self.variant.tile_tokens, self.variant.rows_per_cta)
@@ -151,7 +154,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
             "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
-            "wgmma": use_wgmma, "max_tiles": tiles,
+            "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
+            "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens,
             "tile_tokens": self.variant.tile_tokens,
             "registers": kernel.num_registers,
@@ -160,22 +164,33 @@ class MultiPlan(OnCache, CreatedFromOptions):
         }
         return self
 
-    def _wgmma_choice(self, wgmma: bool | None, ksplit: int, tree: bool, rows: int) -> bool:
-        """The warpgroup-MMA kernel: wherever it applies and some sequence fills its 128-row
-        CTA (``rows``: the most query rows of one sequence and KV head), unless ``wgmma``
-        says otherwise. With fewer rows its widened tiles serve too few rows: 32-row drafts at
-        B=8 and 64, S=4096 measured 1.5-1.7x the mma.sync split-warp kernel's time."""
+    def _wgmma_choice(self, wgmma: bool | None, wg_rows: int | None, ksplit: int | None,
+                      tree: bool, rows: int) -> tuple[bool, int]:
+        """(warpgroup kernel or not, its rows per CTA): the planner's pick (planner.
+        choose_wg_rows; ``rows``: the most query rows of one sequence and KV head) wherever the
+        kernels apply, unless ``wgmma`` / ``wg_rows`` say otherwise."""
+        if wg_rows is not None:
+            if isinstance(wg_rows, bool) or wg_rows not in WG_ROWS:
+                raise ValueError(f"wg_rows: expected one of {WG_ROWS}, got {wg_rows!r}")
+            if wgmma is False:
+                raise ValueError(f"wg_rows: the warpgroup kernel's rows, given with "
+                                 f"wgmma=False (got wg_rows={wg_rows})")
+            wgmma = True
         available = wgmma_available(self.device.arch, self.head_dim)
         if wgmma is None:
-            return available and ksplit == 1 and not tree and rows >= WGMMA_MIN_ROWS
+            picked = (choose_wg_rows(rows) if available and ksplit in (None, 1) and not tree
+                      else None)
+            return picked is not None, picked or 128
         if wgmma and not available:
             raise ValueError(f"wgmma: the warpgroup-MMA kernel needs an sm_90 device and "
                              f"head_dim 64 or 128, got {self.device.arch} and head_dim "
                              f"{self.head_dim}")
-        if wgmma and (ksplit != 1 or tree):
+        if wgmma and (ksplit not in (None, 1) or tree):
             raise ValueError(f"wgmma: the warpgroup-MMA kernel takes whole tiles (ksplit 1, "
                              f"no tree masks), got ksplit {ksplit}, tree={tree}")
-        return wgmma
+        if not wgmma:
+            return False, 128
+        return True, wg_rows or (64 if rows <= 64 else 128)
 
     def _ensure_workspace(self, rows: int, counters: int) -> None:
         """``rows`` split partial rows (D floats and an LSE each), ``counters`` merge counters;

@@ -22,9 +22,14 @@ MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
 # none 246 us (512 CTAs are 1.3 waves: the second one runs a third full).
 MIN_SPLIT_TILES = 16
 WAVES = 2
-# The warpgroup-MMA kernel (sm_90) when some sequence has this many query rows per KV head (a
-# full CTA of it): drafts of 32 rows ran 1.5-1.7x slower on it than on split warps.
-WGMMA_MIN_ROWS = 128
+# The warpgroup-MMA kernels (sm_90) by the most query rows a sequence has per KV head (PERF_NOTES
+# m13; S=4096, drafts of Hq=32 / Hkv=8 at B=8 and 64, multi-query groups): up to 32 rows the
+# split-warp mma.sync kernel (4-8 drafts: 1.25-1.54x decode's time vs 1.46-1.74x on the 64-row
+# CTA); 33-64 the CTA of 64 rows, two per SM (16 drafts: 2.0x / 1.5x decode vs 3.3x / 3.2x on
+# mma.sync; a multi-query group of 64 at B=128: 89 us vs 110 on 128-row CTAs); from 65 the CTA
+# of 128 rows (24 drafts: 3.0x / 2.4x vs 3.1x / 2.9x on 64-row CTAs, 3.6x / 3.2x on mma.sync).
+WGMMA_MIN_ROWS = 65
+WG64_MIN_ROWS = 33
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,16 @@ def choose_splits(work: MultiWorkload, sm_count: int, ctas_per_sm: int) -> tuple
     by_length = -(-longest // min_tokens)
     wanted = slots // ctas if ctas < slots else round(WAVES * slots / ctas)
     return max(1, min(MAX_SPLITS, wanted, by_length)), min_tokens
+
+
+def choose_wg_rows(rows: int) -> int | None:
+    """The warpgroup kernel's CTA rows for a workload whose sequences have at most ``rows``
+    query rows per KV head, or None for the mma.sync kernel."""
+    if rows >= WGMMA_MIN_ROWS:
+        return 128
+    if rows >= WG64_MIN_ROWS:
+        return 64
+    return None
 
 
 def choose_ksplit(qo_lens: np.ndarray, group_size: int, head_dim: int) -> int:

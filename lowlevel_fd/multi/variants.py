@@ -1,7 +1,8 @@
 """The compiled programs of the multi-token family, one per (head_dim, dtype, scale mode, scale
 dtype, storage) and kernel: multi_attend (multi.cu, mma.sync, every arch, KSPLIT 1 or split
-warps) and multi_attend_wg (multi_wg.cu, Hopper's warpgroup MMA: sm_90 only, head_dim 64 and
-128, whole tiles per warpgroup)."""
+warps) and, on Hopper's warpgroup MMA (sm_90 only, head_dim 64 and 128, whole tiles per
+warpgroup), multi_attend_wg (multi_wg.cu, CTAs of 128 query rows) and multi_attend_wg64
+(multi_wg64.cu, CTAs of 64 rows, two per SM)."""
 from __future__ import annotations
 
 import itertools
@@ -13,9 +14,8 @@ from ..core import support
 from ..core.spec import KVCacheSpec
 
 THREADS = 128       # four warps
-STAGES = 3          # kMultiStages in multi.cu (and kWgStages in multi_wg.cu)
-WG_THREADS = 256    # multi_wg.cu: two warpgroups
-WG_COPIES = 4       # WgLayout::kCopies: widened tiles in shared memory
+STAGES = 3          # kMultiStages in multi.cu
+WG_ROWS = (128, 64)  # the warpgroup kernels' query rows per CTA (multi_wg.cu, multi_wg64.cu)
 WG_HEAD_DIMS = (64, 128)
 WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
 
@@ -52,18 +52,21 @@ class MultiVariant:
     scale_dtype: str = "float32"  # of per-token scales; per-tensor/per-head are always fp32
     paged: bool = False
     ksplit: int = 1  # warps per 16 query rows, sharing each KV tile (multi.cu KSPLIT)
-    wgmma: bool = False  # multi_wg.cu (ksplit 1)
+    wgmma: bool = False  # a warpgroup-MMA kernel (ksplit 1)
+    wg_rows: int = 128   # ... its query rows per CTA: 128 (multi_wg.cu) or 64 (multi_wg64.cu)
 
     def __post_init__(self) -> None:
         if self.wgmma and (self.ksplit != 1 or self.head_dim not in WG_HEAD_DIMS):
             raise ValueError(f"the wgmma kernel takes ksplit 1 and head_dim {WG_HEAD_DIMS}, "
                              f"got ksplit {self.ksplit}, head_dim {self.head_dim}")
+        if self.wg_rows not in WG_ROWS:
+            raise ValueError(f"wg_rows: expected one of {WG_ROWS}, got {self.wg_rows!r}")
 
     @classmethod
     def planned(cls, spec: KVCacheSpec, dtype: str, ksplit: int = 1,
-                wgmma: bool = False) -> "MultiVariant":
+                wgmma: bool = False, wg_rows: int = 128) -> "MultiVariant":
         return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged,
-                   ksplit, wgmma)
+                   ksplit, wgmma, wg_rows if wgmma else 128)
 
     @property
     def row_blocks(self) -> int:
@@ -73,11 +76,11 @@ class MultiVariant:
 
     @property
     def rows_per_cta(self) -> int:
-        return 128 if self.wgmma else 16 * self.row_blocks * (4 // self.ksplit)
+        return self.wg_rows if self.wgmma else 16 * self.row_blocks * (4 // self.ksplit)
 
     @property
     def threads(self) -> int:
-        return WG_THREADS if self.wgmma else THREADS
+        return 2 * self.wg_rows if self.wgmma else THREADS
 
     @property
     def tile_tokens(self) -> int:
@@ -90,7 +93,7 @@ class MultiVariant:
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
                 f"{support.cxx_bool(self.paged)}")
         if self.wgmma:
-            return f"llfd::multi_attend_wg<{args}>"
+            return f"llfd::multi_attend_wg{'64' if self.wg_rows == 64 else ''}<{args}>"
         return f"llfd::multi_attend<{args}, {self.ksplit}>"
 
     @property
@@ -109,20 +112,25 @@ class MultiVariant:
     def shared_bytes(self) -> int:
         """multi.cu: the pipeline's stages and the warps' Q fragments (16 bytes per lane,
         m-block and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
-        lane's accumulators) and the split merge. multi_wg.cu (WgLayout::kBytes): the stages,
-        four widened tiles (fp16 K and V and their fp32 scales, 1 KB aligned), both
-        warpgroups' fp16 Q (64 rows each), and 1 KB to align them."""
+        lane's accumulators) and the split merge. The warpgroup kernels (WgLayout::kBytes):
+        int8 stages (three; two at 64 rows), widened tiles (fp16 K and V and their fp32 scales,
+        1 KB aligned: four; two at 64 rows), the warpgroups' fp16 Q (64 rows each; at 64 rows
+        staged in the second widened tile), and 1 KB to align them."""
         if self.wgmma:
             rows = self.tile_tokens
             copy = -(-(2 * rows * self.head_dim * 2 + 8 * rows) // 1024) * 1024
+            if self.wg_rows == 64:
+                return 2 * self.stage_bytes + 2 * copy + 1024
             query = 2 * 64 * self.head_dim * 2
-            return STAGES * self.stage_bytes + WG_COPIES * copy + query + 1024
+            return STAGES * self.stage_bytes + 4 * copy + query + 1024
         query = (THREADS // 32) * self.row_blocks * (self.head_dim // 16) * 32 * 16
         return STAGES * self.stage_bytes + query
 
     @property
     def source(self) -> str:
-        return "multi_wg.cu" if self.wgmma else "multi.cu"
+        if self.wgmma:
+            return "multi_wg64.cu" if self.wg_rows == 64 else "multi_wg.cu"
+        return "multi.cu"
 
     def builds_for(self, arch: str) -> bool:
         """Whether this program exists for ``arch`` (the wgmma kernel: Hopper only)."""
@@ -151,4 +159,6 @@ def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant]:
                 for ksplit in ksplits(dim):
                     yield MultiVariant(dim, dtype, mode, scale_dtype, paged, ksplit)
                 if dim in WG_HEAD_DIMS:
-                    yield MultiVariant(dim, dtype, mode, scale_dtype, paged, wgmma=True)
+                    for rows in WG_ROWS:
+                        yield MultiVariant(dim, dtype, mode, scale_dtype, paged, wgmma=True,
+                                           wg_rows=rows)
