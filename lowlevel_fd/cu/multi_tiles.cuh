@@ -49,9 +49,13 @@ struct MultiTile {
 // The loader keeps only the sequence, the head and its page ids in registers: every base and
 // stride is read from the parameter block (constant memory) where it is used, so that the
 // loop's registers go to the accumulators (cached strides made eight variants spill).
+// CURSOR (contiguous storage, kernels with registers to spare): the byte offsets of this
+// thread's first row and scale in the next tile are kept and advanced a tile per issue
+// instead of recomputed from the token (tiles are issued in order from `start`).
 template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, typename ScaleT, bool PAGED,
-          int THREADS = 128>
+          int THREADS = 128, bool CURSOR = false>
 struct TileLoader {
+  static_assert(!(CURSOR && PAGED), "the cursor walks contiguous storage");
   using T = MultiTile<HEAD_DIM, ROWS, THREADS>;
   static constexpr int64_t kScaleBytes = sizeof(ScaleT);
   int b, kvh;
@@ -59,6 +63,7 @@ struct TileLoader {
   int scale_page;          //   ... and of its scale token
   uint32_t selectors = 0;  // fp16 scales: bit `stage` set = the high half
   bool bad = false;        // a page id out of range was met
+  int64_t row_cursor = 0, scale_cursor = 0;  // CURSOR: bytes, the next tile's
 
   __device__ __forceinline__ TileLoader(int b_, int kvh_) : b(b_), kvh(kvh_) {}
 
@@ -97,8 +102,23 @@ struct TileLoader {
     }
   }
 
+  // CURSOR: the offsets of the tile at t0 (before its issue).
+  __device__ __forceinline__ void start_cursor(const MultiParams& p, int t0) {
+    if constexpr (CURSOR) {
+      row_cursor = b * p.kv_batch_stride + kvh * p.kv_head_stride +
+                   static_cast<int64_t>(t0 + row0()) * p.kv_token_stride + 16 * chunk();
+      scale_cursor = (b * p.scale_batch_stride + kvh * p.scale_head_stride +
+                      static_cast<int64_t>(t0 + static_cast<int>(threadIdx.x) % T::kRows) *
+                          p.scale_token_stride) * kScaleBytes;
+    }
+  }
+
   __device__ __forceinline__ void issue(const MultiParams& p, uint32_t stage_addr, int stage,
                                         int t0, int end) {
+    if constexpr (CURSOR) {
+      issue_at_cursor(p, stage_addr, stage, t0, end);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < T::kLoads; ++i) {
       const int row = row0() + i * T::kRowStep;
@@ -141,11 +161,45 @@ struct TileLoader {
     }
   }
 
+  __device__ __forceinline__ void issue_at_cursor(const MultiParams& p, uint32_t stage_addr,
+                                                  int stage, int t0, int end) {
+    const int64_t step = static_cast<int64_t>(T::kRowStep) * p.kv_token_stride;
+#pragma unroll
+    for (int i = 0; i < T::kLoads; ++i) {
+      const int row = row0() + i * T::kRowStep;
+      const bool in = t0 + row < end;
+      const int64_t src = in ? row_cursor + i * step : 0;
+      cp_async_16(stage_addr + T::kK + T::offset(row, chunk()), p.k_cache + src, in ? 16 : 0);
+      cp_async_16(stage_addr + T::kV + T::offset(row, chunk()), p.v_cache + src, in ? 16 : 0);
+    }
+    row_cursor += T::kRows * p.kv_token_stride;
+    if constexpr (TOKEN_SCALES) {
+      if (scale_thread()) {
+        const bool is_v = threadIdx.x >= T::kRows;
+        const int r = threadIdx.x % T::kRows;
+        const char* base = static_cast<const char*>(is_v ? p.v_scale : p.k_scale);
+        const bool in = t0 + r < end;
+        const uint32_t dst = stage_addr + (is_v ? T::kVScale : T::kKScale) + 4 * r;
+        if constexpr (sizeof(ScaleT) == 2) {  // the aligned word, as issue() explains
+          const uint64_t address = reinterpret_cast<uint64_t>(base + (in ? scale_cursor : 0));
+          const uint32_t high = (address >> 1) & 1;
+          selectors = (selectors & ~(1u << stage)) | (high << stage);
+          cp_async_4(dst, reinterpret_cast<const void*>(address & ~uint64_t(3)),
+                     in ? (high ? 4 : 2) : 0);
+        } else {
+          cp_async_4(dst, base + (in ? scale_cursor : 0), in ? 4 : 0);
+        }
+      }
+      scale_cursor += T::kRows * p.scale_token_stride * kScaleBytes;
+    }
+  }
+
   // Before the loop: the page ids of the tile at start, then the first STAGES - 1 tiles issued
   // into stages 0.. (one commit group each, empty past the range).
   template <int STAGES>
   __device__ __forceinline__ void prime(const MultiParams& p, uint32_t base, int stage_bytes,
                                         int start, int end) {
+    start_cursor(p, start);
     fetch(p, start, end);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {

@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     visible[hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
   }
 
-  TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kThreads> loader(b, kvh);
+  TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kThreads, !PAGED> loader(
+      b, kvh);
   loader.prime<kStages>(p, base, L::kStageBytes, start, end);
 
   uint32_t qa[kChunks][4];
