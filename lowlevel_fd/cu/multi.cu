@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
       visible[mt][hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
     }
 
-  TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED> loader(b, kvh);
+  TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED, 128, !PAGED> loader(b, kvh);
   const uint32_t smem_base = shared_address(smem);
   loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
 
