@@ -117,12 +117,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     const int col0 = start + j * L::kTokens;
     const float* ks = reinterpret_cast<const float*>(copy + L::kCopyKScale);
     const float* vs = reinterpret_cast<const float*>(copy + L::kCopyVScale);
-    if (col0 + L::kTokens > wg_full)  // some row of the warpgroup stops inside the tile
-      softmax_tile<kNB, kTokenScales, true>(s, p_out, m, l, v_ref, corr, row_const, ks, vs,
-                                            col0, visible, c);
-    else
-      softmax_tile<kNB, kTokenScales, false>(s, p_out, m, l, v_ref, corr, row_const, ks, vs,
-                                             col0, visible, c);
+    // Masked where some row of the warpgroup stops inside the tile.
+    softmax_tile<kNB, kTokenScales>(s, p_out, m, l, v_ref, corr, row_const, ks, vs,
+                                    col0 + L::kTokens > wg_full, col0, visible, c);
   };
   auto computes = [&](int j) __attribute__((always_inline)) {
     return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup

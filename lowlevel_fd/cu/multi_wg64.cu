@@ -102,12 +102,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
     const int col0 = start + j * L::kTokens;
     const float* ks = reinterpret_cast<const float*>(copy + L::kCopyKScale);
     const float* vs = reinterpret_cast<const float*>(copy + L::kCopyVScale);
-    if (col0 + L::kTokens > full)  // some row of the CTA stops inside the tile
-      softmax_tile<kNB, kTokenScales, true>(s, a, m, l, v_ref, corr, row_const, ks, vs, col0,
-                                            visible, c);
-    else
-      softmax_tile<kNB, kTokenScales, false>(s, a, m, l, v_ref, corr, row_const, ks, vs, col0,
-                                             visible, c);
+    // Masked where some row of the CTA stops inside the tile.
+    softmax_tile<kNB, kTokenScales>(s, a, m, l, v_ref, corr, row_const, ks, vs,
+                                    col0 + L::kTokens > full, col0, visible, c);
   };
 
   if (tiles > 0) {

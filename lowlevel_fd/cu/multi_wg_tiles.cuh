@@ -81,25 +81,33 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
 
 // One tile's scores -> P (fp16 A fragments of O += P V) and the online softmax's state, in
 // base 2: per-token K scales on the score columns, V scales folded into P relative to the
-// largest seen (v_ref), masks only where some row of the warpgroup stops inside the tile.
-template <int kNB, bool TOKEN_SCALES, bool MASKED>
+// largest seen (v_ref); the columns past a row's visible end (`visible`, from column col0)
+// masked only where some row stops inside the tile (`masked`: a branch around the masking
+// alone, so that the softmax's code exists once in the loop: two inlined copies made the
+// loops long enough to miss in the instruction cache, PERF_NOTES m13).
+template <int kNB, bool TOKEN_SCALES>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
                                              float (&m)[2], float (&l)[2], float& v_ref,
                                              float (&corr)[2], const float (&row_const)[2],
                                              const float* k_scales, const float* v_scales,
-                                             int col0, const int (&visible)[2], int c) {
+                                             bool masked, int col0, const int (&visible)[2],
+                                             int c) {
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
   // one FFMA per score applies the row's scale and subtracts its maximum.
+  if constexpr (TOKEN_SCALES) {
 #pragma unroll
-  for (int j = 0; j < kNB; ++j) {
-    float2 ks = make_float2(1.f, 1.f);
-    if constexpr (TOKEN_SCALES) ks = *reinterpret_cast<const float2*>(k_scales + 8 * j + 2 * c);
+    for (int j = 0; j < kNB; ++j) {
+      const float2 ks = *reinterpret_cast<const float2*>(k_scales + 8 * j + 2 * c);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = s[4 * j + e];
-      if constexpr (TOKEN_SCALES) x *= (e & 1) ? ks.y : ks.x;
-      s[4 * j + e] = !MASKED || col0 + 8 * j + 2 * c + (e & 1) < visible[e >> 1] ? x : kNegInf;
+      for (int e = 0; e < 4; ++e) s[4 * j + e] *= (e & 1) ? ks.y : ks.x;
     }
+  }
+  if (masked) {
+#pragma unroll
+    for (int j = 0; j < kNB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (col0 + 8 * j + 2 * c + (e & 1) >= visible[e >> 1]) s[4 * j + e] = kNegInf;
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
