@@ -193,24 +193,56 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
   }
   __syncthreads();
   constexpr int kQuads = HEAD_DIM / 4;
+  // Each thread sums kU row quads at a time over kS splits per round: kU x kS loads in flight
+  // (the partials come from L2; one quad at a time, ptxas kept 4 loads in flight and the merge
+  // of 8 splits took 32 round trips per thread). kU: at most a 128-thread CTA's share, so that
+  // small tiles' kernels keep their registers. The sum's order is the splits' (reproducible).
+  constexpr int kU = ROWS * kQuads >= 4 * 128 ? 4 : ROWS * kQuads >= 2 * 128 ? 2 : 1;
+  constexpr int kS = 4;
   const float4* parts = reinterpret_cast<const float4*>(p.partial_out) + base * ROWS * kQuads;
-  for (int idx = threadIdx.x; idx < tile_rows * kQuads; idx += blockDim.x) {
-    const int local = idx / kQuads, quad = idx % kQuads;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < active; ++s) {
-      const float w = weight[s * ROWS + local];
-      const float4 v = __ldcg(parts + (s * ROWS + local) * kQuads + quad);
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  const int n = tile_rows * kQuads;
+  for (int first = threadIdx.x; first < n; first += kU * blockDim.x) {
+    float4 acc[kU];
+    int local[kU], quad[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      const int idx = min(first + u * static_cast<int>(blockDim.x), n - 1);  // past n: unused
+      local[u] = idx / kQuads;
+      quad[u] = idx % kQuads;
     }
-    const float sum = row_total[local], inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int r = row0 + local, token = r / p.group_size;
-    const int head = kvh * p.group_size + r - token * p.group_size;
-    const int64_t q_row = sr.q0 + token;
-    store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad,
-               acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (quad == 0 && p.lse != nullptr)
-      p.lse[q_row * p.num_kv_heads * p.group_size + head] =
-          sum > 0.f ? (row_best[local] + __log2f(sum)) * kMultiLn2 : kNegInf;
+    for (int s0 = 0; s0 < active; s0 += kS) {
+      float4 v[kS][kU];
+#pragma unroll
+      for (int a = 0; a < kS; ++a)
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          v[a][u] = s0 + a < active
+                        ? __ldcg(parts + ((s0 + a) * ROWS + local[u]) * kQuads + quad[u])
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int a = 0; a < kS; ++a)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (s0 + a >= active) continue;
+          const float w = weight[(s0 + a) * ROWS + local[u]];
+          acc[u].x += w * v[a][u].x; acc[u].y += w * v[a][u].y;
+          acc[u].z += w * v[a][u].z; acc[u].w += w * v[a][u].w;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (first + u * static_cast<int>(blockDim.x) >= n) continue;
+      const float sum = row_total[local[u]], inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int r = row0 + local[u], token = r / p.group_size;
+      const int head = kvh * p.group_size + r - token * p.group_size;
+      const int64_t q_row = sr.q0 + token;
+      store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad[u],
+                 acc[u].x * inv, acc[u].y * inv, acc[u].z * inv, acc[u].w * inv);
+      if (quad[u] == 0 && p.lse != nullptr)
+        p.lse[q_row * p.num_kv_heads * p.group_size + head] =
+            sum > 0.f ? (row_best[local[u]] + __log2f(sum)) * kMultiLn2 : kNegInf;
+    }
   }
 }
 
