@@ -54,21 +54,15 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   extern __shared__ __align__(128) char smem[];
   __shared__ int is_last;
 
-  const int kvh = blockIdx.x % p.num_kv_heads;
-  const int tile = p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads;  // long first
-  const int split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int wr = warp % kGroups, wk = warp / kGroups;  // row group, share of the KV tile
 
-  const SequenceRows sr(p, b, kCtaRows, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
-  const int row0 = tile * kCtaRows;
-  if (row0 >= sr.rows) return;
-  const int tile_rows = min(kCtaRows, sr.rows - row0);
-  const int kv_end = sr.limit(p, row0 + tile_rows - 1);
-  int chunk, active;
-  tile_splits<T::kRows>(p, kv_end, chunk, active);
-  if (split >= active) return;
-  const int start = split * chunk, end = min(kv_end, start + chunk);
+  const CtaWork<kCtaRows, T::kRows> work(p);
+  if (work.idle) return;
+  const SequenceRows& sr = work.sr;
+  const int kvh = work.kvh, tile = work.tile, split = work.split, b = work.b;
+  const int row0 = work.row0, tile_rows = work.tile_rows, active = work.active;
+  const int start = work.start, end = work.end;
 
   // This warp's rows: m-block mt holds rows w_row0 + 16 mt + g (+ 8). Contiguous caches compute
   // every block (rows past the sequence's have zero queries and are not stored): a branch per

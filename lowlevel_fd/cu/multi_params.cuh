@@ -101,4 +101,33 @@ __device__ __forceinline__ void tile_splits(const MultiParams& p, int kv_end, in
   active = kv_end > 0 ? (kv_end + chunk - 1) / chunk : 1;
 }
 
+// What a CTA of CTA_ROWS query rows works on: its KV head, row tile (the longest first),
+// split and sequence, and its KV range [start, end) cut in tiles of TOKENS. `idle`: nothing
+// (a tile past the sequence's rows, a split past its range): the CTA returns.
+template <int CTA_ROWS, int TOKENS>
+struct CtaWork {
+  int kvh, tile, split, b;
+  SequenceRows sr;
+  int row0, tile_rows = 0, chunk = 0, active = 0, start = 0, end = 0;
+  bool idle;
+
+  __device__ __forceinline__ explicit CtaWork(const MultiParams& p)
+      : kvh(blockIdx.x % p.num_kv_heads),
+        tile(p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads),
+        split(blockIdx.y),
+        b(blockIdx.z),
+        sr(p, b, CTA_ROWS, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0),
+        row0(tile * CTA_ROWS) {
+    idle = row0 >= sr.rows;
+    if (idle) return;
+    tile_rows = min(CTA_ROWS, sr.rows - row0);
+    const int kv_end = sr.limit(p, row0 + tile_rows - 1);
+    tile_splits<TOKENS>(p, kv_end, chunk, active);
+    idle = split >= active;
+    start = split * chunk;
+    end = min(kv_end, start + chunk);
+  }
+  __device__ __forceinline__ int tiles() const { return (end - start + TOKENS - 1) / TOKENS; }
+};
+
 }  // namespace llfd

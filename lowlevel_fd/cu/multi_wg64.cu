@@ -26,22 +26,15 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   char* const smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = shared_address(smem);
 
-  const int kvh = blockIdx.x % p.num_kv_heads;
-  const int tile = p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads;
-  const int split = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  const SequenceRows sr(p, b, L::kCtaRows,
-                        tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0);
-  const int row0 = tile * L::kCtaRows;
-  if (row0 >= sr.rows) return;
-  const int tile_rows = min(L::kCtaRows, sr.rows - row0);
-  const int kv_end = sr.limit(p, row0 + tile_rows - 1);
-  int chunk, active;
-  tile_splits<L::kTokens>(p, kv_end, chunk, active);
-  if (split >= active) return;
-  const int start = split * chunk, end = min(kv_end, start + chunk);
-  const int tiles = (end - start + L::kTokens - 1) / L::kTokens;
+  const CtaWork<L::kCtaRows, L::kTokens> work(p);
+  if (work.idle) return;
+  const SequenceRows& sr = work.sr;
+  const int kvh = work.kvh, tile = work.tile, split = work.split, b = work.b;
+  const int row0 = work.row0, tile_rows = work.tile_rows, active = work.active;
+  const int start = work.start, end = work.end;
+  const int tiles = work.tiles();
 
   // This lane's rows r_lo and r_lo + 8 (the accumulator layout); tiles before `full` need no
   // mask (the first row sees them, so every later one does; rows past the sequence's are
