@@ -1,5 +1,6 @@
 // Multi-token attention over the INT8 cache on Hopper's warpgroup MMA (wgmma, sm_90a): the
-// kernel for prefill and long chunks at head_dim 64 and 128 (multi.cu covers the rest).
+// kernel for prefill and long chunks at head_dim 64 and 128, more than 64 query rows per KV
+// head (multi_wg64.cu takes 33-64, multi.cu the rest).
 //
 // A CTA is two warpgroups, 64 packed query rows each (the mma's M; rows token-major as in
 // multi.cu), over one KV head. K/V tiles of 64 tokens stream through the same cp.async stages
