@@ -71,7 +71,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   float row_const[2], v_const;
   wg_load_query<HEAD_DIM, SCALE_MODE, QT>(qa, row_const, v_const, p, sr, kvh, r_lo, warp % 4,
                                           lane, smem + L::kQ16 + wg * L::kBlocks * L::kBlockBytes);
-  auto copy_of = [&](int j) __attribute__((always_inline)) { return j % L::kCopies; };
+  auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
+    return L::kCopy0 + j % L::kCopies * L::kCopyBytes;
+  };
 
   // Tile jw's int8 rows have landed: publish them (and the copies widened before this
   // barrier), then refill the stage of tile jw - 1 with tile jw + 2.
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   auto widen_work = [&](int jw) __attribute__((always_inline)) {
     if (jw < tiles) {
       widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + (jw % kStages) * L::kStageBytes,
-                                         smem + L::kCopy0 + copy_of(jw) * L::kCopyBytes);
+                                                     smem + copy_offset(jw));
       fence_proxy_async();
     }
   };
@@ -107,19 +109,17 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   uint32_t a[kKT][4], a_next[kKT][4];
   float corr[2] = {1.f, 1.f};
   auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
-    const char* copy = smem + L::kCopy0 + copy_of(j) * L::kCopyBytes;
     const int col0 = start + j * L::kTokens;
-    const float* ks = reinterpret_cast<const float*>(copy + L::kCopyKScale);
-    const float* vs = reinterpret_cast<const float*>(copy + L::kCopyVScale);
     // Masked where some row of the warpgroup stops inside the tile.
-    softmax_tile<kNB, kTokenScales>(s, p_out, m, l, v_ref, corr, row_const, ks, vs,
-                                    col0 + L::kTokens > wg_full, col0, visible, c);
+    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, v_ref, corr, row_const,
+                                         smem + copy_offset(j), col0 + L::kTokens > wg_full,
+                                         col0, visible, c);
   };
   auto computes = [&](int j) __attribute__((always_inline)) {
     return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
   };
   auto copy_address = [&](int j) __attribute__((always_inline)) {
-    return base + L::kCopy0 + copy_of(j) * L::kCopyBytes;
+    return base + copy_offset(j);
   };
 
   // Tiles 0 and 1 widened, tile 0's scores and P; then per tile j: S(j + 1) and O += P(j) V(j)

@@ -57,8 +57,11 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   wg_load_query<HEAD_DIM, SCALE_MODE, QT>(qa, row_const, v_const, p, sr, kvh, r_lo, warp, lane,
                                           smem + L::kQ16);
   auto stage_of = [&](int j) __attribute__((always_inline)) { return j % L::kStages; };
+  auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
+    return L::kCopy0 + j % L::kCopies * L::kCopyBytes;
+  };
   auto copy_address = [&](int j) __attribute__((always_inline)) {
-    return base + L::kCopy0 + (j % L::kCopies) * L::kCopyBytes;
+    return base + copy_offset(j);
   };
   // Tile j's int8 rows landed and published; the stage of tile j - 1 (widened before this
   // barrier) refilled with tile j + 1. Every warp has also retired the products that read
@@ -77,7 +80,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   // Tile j widened into its copy and published to the tensor cores.
   auto widen = [&](int j) __attribute__((always_inline)) {
     widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(
-        smem + stage_of(j) * L::kStageBytes, smem + (copy_address(j) - base));
+        smem + stage_of(j) * L::kStageBytes, smem + copy_offset(j));
     fence_proxy_async();
     __syncthreads();
   };
@@ -91,13 +94,11 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   uint32_t a[kKT][4];
   float corr[2] = {1.f, 1.f};
   auto softmax = [&](int j) __attribute__((always_inline)) {
-    const char* copy = smem + (copy_address(j) - base);
     const int col0 = start + j * L::kTokens;
-    const float* ks = reinterpret_cast<const float*>(copy + L::kCopyKScale);
-    const float* vs = reinterpret_cast<const float*>(copy + L::kCopyVScale);
     // Masked where some row of the CTA stops inside the tile.
-    softmax_tile<kNB, kTokenScales>(s, a, m, l, v_ref, corr, row_const, ks, vs,
-                                    col0 + L::kTokens > full, col0, visible, c);
+    softmax_tile<HEAD_DIM, kTokenScales>(s, a, m, l, v_ref, corr, row_const,
+                                         smem + copy_offset(j), col0 + L::kTokens > full, col0,
+                                         visible, c);
   };
 
   if (tiles > 0) {

@@ -80,18 +80,20 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
 }
 
 // One tile's scores -> P (fp16 A fragments of O += P V) and the online softmax's state, in
-// base 2: per-token K scales on the score columns, V scales folded into P relative to the
-// largest seen (v_ref); the columns past a row's visible end (`visible`, from column col0)
+// base 2: per-token K scales (from the widened tile at `copy`) on the score columns, V scales
+// folded into P relative to the largest seen (v_ref); the columns past a row's visible end (`visible`, from column col0)
 // masked only where some row stops inside the tile (`masked`: a branch around the masking
 // alone, so that the softmax's code exists once in the loop: two inlined copies made the
 // loops long enough to miss in the instruction cache, PERF_NOTES m13).
-template <int kNB, bool TOKEN_SCALES>
+template <int HEAD_DIM, bool TOKEN_SCALES, int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
                                              float (&m)[2], float (&l)[2], float& v_ref,
                                              float (&corr)[2], const float (&row_const)[2],
-                                             const float* k_scales, const float* v_scales,
-                                             bool masked, int col0, const int (&visible)[2],
-                                             int c) {
+                                             const char* copy, bool masked, int col0,
+                                             const int (&visible)[2], int c) {
+  using L = WgLayout<HEAD_DIM>;
+  const float* k_scales = reinterpret_cast<const float*>(copy + L::kCopyKScale);
+  const float* v_scales = reinterpret_cast<const float*>(copy + L::kCopyVScale);
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
   // one FFMA per score applies the row's scale and subtracts its maximum.
   if constexpr (TOKEN_SCALES) {
