@@ -166,21 +166,40 @@ __device__ __forceinline__ void store4(void* out, int64_t offset, float a, float
       make_uint2(pack2<QT>(a, b), pack2<QT>(c, d));
 }
 
+// The threads that merge a row tile's splits: the whole CTA (THREADS = 0, __syncthreads), or
+// its last THREADS threads (a warp-specialized CTA whose loading warps have left: named
+// barrier 1).
+template <int THREADS>
+struct MergeTeam {
+  __device__ static __forceinline__ int tid() {
+    return THREADS ? static_cast<int>(threadIdx.x + THREADS - blockDim.x) : threadIdx.x;
+  }
+  __device__ static __forceinline__ int size() { return THREADS ? THREADS : blockDim.x; }
+  __device__ static __forceinline__ void sync() {
+    if constexpr (THREADS != 0)
+      asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+    else
+      __syncthreads();
+  }
+};
+
 // Weighted sum of the tile's split partials (fixed order: reproducible). `scratch`: shared
 // memory for (kMultiMaxSplits + 2) x ROWS floats (the pipeline's, no longer in use).
-template <int HEAD_DIM, int ROWS, typename QT>
+template <int HEAD_DIM, int ROWS, typename QT, int THREADS = 0>
 __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, int kvh,
                                   int row0, int tile_rows, int64_t slot, int active,
                                   float* scratch) {
   float* weight = scratch;                                  // [active][64]
   float* row_total = scratch + kMultiMaxSplits * ROWS;  // [ROWS]
   float* row_best = row_total + ROWS;                 // [ROWS]
+  using Team = MergeTeam<THREADS>;
+  const int tid = Team::tid(), team = Team::size();
   const int64_t base = slot * p.num_splits;
-  for (int i = threadIdx.x; i < active * ROWS; i += blockDim.x)  // rows past the tile's: unwritten
+  for (int i = tid; i < active * ROWS; i += team)  // rows past the tile's: unwritten
     weight[i] = i % ROWS < tile_rows ? __ldcg(p.partial_lse + base * ROWS + i) : kNegInf;
-  __syncthreads();
-  if (threadIdx.x < ROWS) {
-    const int row = threadIdx.x;
+  Team::sync();
+  if (tid < ROWS) {
+    const int row = tid;
     float best = kNegInf, sum = 0.f;
     for (int s = 0; s < active; ++s) best = fmaxf(best, weight[s * ROWS + row]);
     for (int s = 0; s < active; ++s) {
@@ -191,7 +210,7 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
     row_total[row] = sum;
     row_best[row] = best;
   }
-  __syncthreads();
+  Team::sync();
   constexpr int kQuads = HEAD_DIM / 4;
   // Each thread sums kU row quads at a time over kS splits per round: kU x kS loads in flight
   // (the partials come from L2; one quad at a time, ptxas kept 4 loads in flight and the merge
@@ -201,13 +220,13 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
   constexpr int kS = 4;
   const float4* parts = reinterpret_cast<const float4*>(p.partial_out) + base * ROWS * kQuads;
   const int n = tile_rows * kQuads;
-  for (int first = threadIdx.x; first < n; first += kU * blockDim.x) {
+  for (int first = tid; first < n; first += kU * team) {
     float4 acc[kU];
     int local[kU], quad[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-      const int idx = min(first + u * static_cast<int>(blockDim.x), n - 1);  // past n: unused
+      const int idx = min(first + u * team, n - 1);  // past n: unused
       local[u] = idx / kQuads;
       quad[u] = idx % kQuads;
     }
@@ -232,7 +251,7 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (first + u * static_cast<int>(blockDim.x) >= n) continue;
+      if (first + u * team >= n) continue;
       const float sum = row_total[local[u]], inv = sum > 0.f ? 1.f / sum : 0.f;
       const int r = row0 + local[u], token = r / p.group_size;
       const int head = kvh * p.group_size + r - token * p.group_size;
@@ -249,18 +268,19 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
 // After a split wrote its partial rows: the last split of the row tile to arrive merges them
 // all (the others return) and resets the tile's counter for the next launch. `is_last`: a
 // __shared__ int of the kernel; `scratch`: merge_tile_splits's shared memory.
-template <int HEAD_DIM, int ROWS, typename QT>
+template <int HEAD_DIM, int ROWS, typename QT, int THREADS = 0>
 __device__ __forceinline__ void merge_if_last(const MultiParams& p, const SequenceRows& sr,
                                               int kvh, int row0, int tile_rows, int64_t slot,
                                               int active, float* scratch, int& is_last) {
+  using Team = MergeTeam<THREADS>;
   __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
-  __syncthreads();
+  Team::sync();
+  if (Team::tid() == 0) is_last = atomicAdd(p.counters + slot, 1u) + 1 == static_cast<uint32_t>(active);
+  Team::sync();
   if (!is_last) return;
   __threadfence();
-  merge_tile_splits<HEAD_DIM, ROWS, QT>(p, sr, kvh, row0, tile_rows, slot, active, scratch);
-  if (threadIdx.x == 0) p.counters[slot] = 0;  // ready for the next launch
+  merge_tile_splits<HEAD_DIM, ROWS, QT, THREADS>(p, sr, kvh, row0, tile_rows, slot, active, scratch);
+  if (Team::tid() == 0) p.counters[slot] = 0;  // ready for the next launch
 }
 
 }  // namespace llfd

@@ -2,34 +2,54 @@
 // kernel for prefill and long chunks at head_dim 64 and 128, more than 64 query rows per KV
 // head (multi_wg64.cu takes 33-64, multi.cu the rest).
 //
-// A CTA is two warpgroups, 64 packed query rows each (the mma's M; rows token-major as in
-// multi.cu), over one KV head. K/V tiles of 64 tokens stream through the same cp.async stages
-// as multi.cu (multi_tiles.cuh). Each tile is widened once per CTA, by all its threads, into
-// fp16 copies in the 128-byte-swizzled layout wgmma reads (wgmma.cuh); then per warpgroup:
-//  * S = Q K^T: Q (fp16, staged once in the same layout) and K from shared memory;
-//  * scales, masks and the online softmax in registers, as multi.cu (per-token K scales on the
-//    score columns, per-token V scales folded into P relative to the largest seen);
-//  * O += P V: P from registers (the accumulator layout is the A fragment's), V from shared
-//    memory as a transposed (MN-major) operand.
-// Pipelined per tile j (one barrier per tile): the lead warpgroup issues S(j + 1) and P(j) V(j)
-// right after the barrier, then widens its share of tile j + 2 and runs the softmax of
-// S(j + 1) while P(j) V(j) runs; the lag warpgroup widens first, then runs the softmax of S(j)
-// (issued in the previous iteration) and issues P(j) V(j) and S(j + 1) half a tile later, so the
-// two warpgroups' products take turns on the tensor cores. Widened copies: j + 2 written while
-// j + 1 and j are read (the lag's S(j + 1) runs across the next barrier, its P V does not);
-// WgLayout keeps four, as measured (three suffice for this order).
+// A CTA is three warpgroups over one KV head, warp-specialized (FA3's division of labour):
+//  * warpgroup 0 loads: K/V tiles of 64 tokens through the same cp.async stages as multi.cu
+//    (multi_tiles.cuh), each widened once into an fp16 copy in the 128-byte-swizzled layout
+//    wgmma reads (wgmma.cuh); it gives most of its registers to the others (setmaxnreg);
+//  * warpgroups 1 and 2 compute, 64 packed query rows each (the mma's M; rows token-major as
+//    in multi.cu): S = Q K^T (Q in registers, K from the copy), scales, masks and the online
+//    softmax in registers as multi.cu (per-token K scales on the score columns, per-token V
+//    scales folded into P relative to the largest seen), O += P V (P from registers, V from
+//    the copy as a transposed operand).
+// The loader runs up to kCopies tiles ahead; named barriers hand the copies over: FULL(c, w)
+// (copy c widened, for computing warpgroup w: the two drift apart freely) and EMPTY(c) (both
+// computing warpgroups done with copy c). Each computing warpgroup issues S(j + 1) and
+// P(j) V(j) together and runs the softmax of S(j + 1) while P(j) V(j) is on the tensor cores.
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_rows.cuh"
 
 namespace llfd {
 
+// Named barriers (0 is __syncthreads'; 1 the computing warpgroups' merge, MergeTeam).
+struct WgBarriers {
+  static constexpr int kLoad = 2;  // the loading warpgroup alone
+  __device__ static __forceinline__ int full(int copy, int wg) { return 3 + 2 * copy + wg; }
+  __device__ static __forceinline__ int empty(int copy) { return 11 + copy; }
+};
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (N < 168)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
 template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED>
 __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     multi_attend_wg(const __grid_constant__ MultiParams p) {
   using L = WgLayout<HEAD_DIM>;
+  using B = WgBarriers;
   constexpr int kChunks = HEAD_DIM / 16, kNB = L::kTokens / 8, kKT = L::kTokens / 16;
-  constexpr int kStages = L::kStages;
+  constexpr int kStages = L::kStages, kCopies = L::kCopies;
   constexpr int kOut = HEAD_DIM / 2;  // accumulators per thread: 64 rows x HEAD_DIM / 128
+  constexpr int kCompute = L::kThreads - L::kLoadThreads;
+  static_assert(kCopies <= 4, "the named barriers hold four copies");
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int is_last;
@@ -48,10 +68,49 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int row0 = work.row0, tile_rows = work.tile_rows, active = work.active;
   const int start = work.start, end = work.end;
   const int tiles = work.tiles();
+  auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
+    return L::kCopy0 + j % kCopies * L::kCopyBytes;
+  };
 
+  if (wg == 0) {
+    // ---- loading warpgroup: tile j landed -> tile j + kStages - 1 issued into the stage of
+    // tile j - 1 -> copy slot of tile j free (tile j - kCopies retired) -> tile j widened ----
+    set_max_registers<72>();
+    TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kLoadThreads, !PAGED>
+        loader(b, kvh);
+    loader.prime<kStages>(p, base, L::kStageBytes, start, end);
+#pragma unroll 1
+    for (int j = 0; j < tiles; ++j) {
+      const int st = j % kStages;
+      cp_async_wait<kStages - 2>();
+      loader.widen(smem + st * L::kStageBytes, st);
+      named_sync(B::kLoad, L::kLoadThreads);  // tile j visible; tile j - 1's stage read
+      const int t_issue = start + (j + kStages - 1) * L::kTokens;
+      const int issue_stage = (j + kStages - 1) % kStages;
+      if (t_issue < end) {
+        loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
+        loader.fetch(p, t_issue + L::kTokens, end);
+      }
+      cp_async_commit();
+      if (j >= kCopies) named_sync(B::empty(j % kCopies), L::kThreads);
+      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + st * L::kStageBytes,
+                                                     smem + copy_offset(j));
+      fence_proxy_async();
+      named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
+      named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
+    }
+    cp_async_wait<0>();
+    if constexpr (PAGED)
+      if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
+    return;
+  }
+
+  // ---- computing warpgroups ----
+  set_max_registers<216>();
+  const int cw = wg - 1;
   // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
   // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
-  const int wg_row0 = row0 + 64 * wg;
+  const int wg_row0 = row0 + 64 * cw;
   const bool wg_active = wg_row0 < sr.rows;
   const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
   const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
@@ -63,41 +122,18 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     visible[hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
   }
 
-  TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kThreads, !PAGED> loader(
-      b, kvh);
-  loader.prime<kStages>(p, base, L::kStageBytes, start, end);
-
   uint32_t qa[kChunks][4];
   float row_const[2], v_const;
   wg_load_query<HEAD_DIM, SCALE_MODE, QT>(qa, row_const, v_const, p, sr, kvh, r_lo, warp % 4,
-                                          lane, smem + L::kQ16 + wg * L::kBlocks * L::kBlockBytes);
-  auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
-    return L::kCopy0 + j % L::kCopies * L::kCopyBytes;
+                                          lane, smem + L::kQ16 + cw * L::kBlocks * L::kBlockBytes);
+  auto acquire = [&](int j) __attribute__((always_inline)) {  // tile j's copy is widened
+    named_sync(B::full(j % kCopies, cw), L::kLoadThreads + 128);
   };
-
-  // Tile jw's int8 rows have landed: publish them (and the copies widened before this
-  // barrier), then refill the stage of tile jw - 1 with tile jw + 2.
-  auto sync_step = [&](int jw) __attribute__((always_inline)) {
-    const int st = jw % kStages;
-    cp_async_wait<kStages - 2>();
-    loader.widen(smem + st * L::kStageBytes, st);
-    // The warpgroups reach this barrier from their own loops (lead and lag): the unaligned
-    // form, which allows that (__syncthreads is barrier.sync.aligned: one call site for all).
-    asm volatile("barrier.sync 0, %0;" ::"n"(L::kThreads) : "memory");
-    const int t_issue = start + (jw + kStages - 1) * L::kTokens;
-    const int issue_stage = (jw + kStages - 1) % kStages;
-    if (t_issue < end) {
-      loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
-      loader.fetch(p, t_issue + L::kTokens, end);
-    }
-    cp_async_commit();
+  auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done with it
+    if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), L::kThreads);
   };
-  auto widen_work = [&](int jw) __attribute__((always_inline)) {
-    if (jw < tiles) {
-      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + (jw % kStages) * L::kStageBytes,
-                                                     smem + copy_offset(jw));
-      fence_proxy_async();
-    }
+  auto copy_address = [&](int j) __attribute__((always_inline)) {
+    return base + copy_offset(j);
   };
 
   float o[kOut];
@@ -118,18 +154,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   auto computes = [&](int j) __attribute__((always_inline)) {
     return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
   };
-  auto copy_address = [&](int j) __attribute__((always_inline)) {
-    return base + copy_offset(j);
-  };
 
-  // Tiles 0 and 1 widened, tile 0's scores and P; then per tile j: S(j + 1) and O += P(j) V(j)
-  // on the tensor cores while the CTA widens tile j + 2 and the warpgroup's softmax of S(j + 1)
-  // follows (its P in a second set of registers: P(j)'s are the operand in flight).
-  sync_step(0);
-  widen_work(0);
-  sync_step(1);  // publishes tile 0's copy
-  widen_work(1);
-  if (wg == 0) {  // the lead: S(j + 1) and P(j) V(j) issued right after the barrier
+  if (tiles > 0) {
+    acquire(0);
     if (computes(0)) {
       wgmma_fence();
       issue_scores<HEAD_DIM>(s, qa, copy_address(0));
@@ -137,75 +164,40 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       fence_operands(s);
       softmax(0, a);
     }
-    // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
-    // operand in flight). The loop alternates the two sets (a copy between them made ptxas
-    // serialize every wgmma).
-    auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
-        __attribute__((always_inline)) {
-      sync_step(j + 2);  // publishes tile j + 1's copy; tile j - 1's is free
-      // Issue and waits stay in one branch per warpgroup (a wgmma group that crosses a branch
-      // ptxas cannot pair serializes every wgmma); S(j + 1) of a tile past the warpgroup's
-      // rows or the range is computed and dropped (its P is zero).
-      if (computes(j)) {
-        rescale_rows(o, corr);
-        wgmma_fence();
-        issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
-        issue_values<HEAD_DIM>(o, cur, copy_address(j));
-        widen_work(j + 2);
-        wgmma_wait<1>();
-        fence_operands(s);
-        if (computes(j + 1)) {
-          softmax(j + 1, nxt);
-        } else {
-  #pragma unroll
-          for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
-          corr[0] = corr[1] = 1.f;
-        }
-        wgmma_wait<0>();
-        fence_operands(o);
-      } else {
-        widen_work(j + 2);
-      }
-    };
-  #pragma unroll 1
-    for (int j = 0; j < tiles; j += 2) {
-      tile_step(j, a, a_next);
-      if (j + 1 < tiles) tile_step(j + 1, a_next, a);
-    }
-  } else {
-    // The lag runs half a tile behind: softmax(j) first, then P(j) V(j) and S(j + 1) issued,
-    // running while the lead's softmax and the next barrier pass; so the two warpgroups'
-    // products alternate on the tensor cores instead of arriving together. One P register
-    // set: the wait at the top retires P(j - 1) V(j - 1) before softmax(j) writes P(j).
-    wgmma_fence();
-    issue_scores<HEAD_DIM>(s, qa, copy_address(0));
-#pragma unroll 1
-    for (int j = 0; j < tiles; ++j) {
-      sync_step(j + 2);
-      widen_work(j + 2);
-      wgmma_wait<0>();
-      fence_operands(s);
-      if (computes(j)) {
-        softmax(j, a);
-      } else {
-#pragma unroll
-        for (int kt = 0; kt < kKT; ++kt) a[kt][0] = a[kt][1] = a[kt][2] = a[kt][3] = 0u;
-        corr[0] = corr[1] = 1.f;
-      }
+  }
+  // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
+  // operand in flight). The loop alternates the two sets (a copy between them made ptxas
+  // serialize every wgmma).
+  auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
+      __attribute__((always_inline)) {
+    if (j + 1 < tiles) acquire(j + 1);
+    // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
+    // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
+    // computed from a stale copy and dropped (its P is zero).
+    if (computes(j)) {
       rescale_rows(o, corr);
       wgmma_fence();
-      issue_values<HEAD_DIM>(o, a, copy_address(j));
-      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));  // past the range: dropped
-      // P V retires inside the iteration (an A-register wgmma waited across the loop's back
-      // edge made ptxas serialize every wgmma); S(j + 1) runs on into the next one.
+      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
+      issue_values<HEAD_DIM>(o, cur, copy_address(j));
       wgmma_wait<1>();
+      fence_operands(s);
+      if (computes(j + 1)) {
+        softmax(j + 1, nxt);
+      } else {
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
+        corr[0] = corr[1] = 1.f;
+      }
+      wgmma_wait<0>();
       fence_operands(o);
     }
-    wgmma_wait<0>();
+    release(j);
+  };
+#pragma unroll 1
+  for (int j = 0; j < tiles; j += 2) {
+    tile_step(j, a, a_next);
+    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
   }
-  cp_async_wait<0>();
-  if constexpr (PAGED)
-    if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
@@ -215,8 +207,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
                                             part, active);
   if (active == 1) return;
 
-  merge_if_last<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
-                                  reinterpret_cast<float*>(smem), is_last);
+  merge_if_last<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, slot, active,
+                                                    reinterpret_cast<float*>(smem), is_last);
 }
 
 }  // namespace llfd

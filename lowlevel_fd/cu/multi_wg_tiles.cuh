@@ -9,17 +9,19 @@
 
 namespace llfd {
 
-// CTA shapes: 128 query rows (two warpgroups, multi_wg.cu: one CTA per SM) or 64 (one
-// warpgroup, multi_wg64.cu: two CTAs per SM, so the shared memory holds half as much).
+// CTA shapes: 128 query rows (multi_wg.cu: a loading warpgroup and two computing ones, one CTA
+// per SM) or 64 (one warpgroup that does both, multi_wg64.cu: two CTAs per SM, so the shared
+// memory holds half as much). Warpgroup 0 loads and widens the tiles in both.
 template <int HEAD_DIM, int ROWS = 128>
 struct WgLayout {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "rows of one or two 64-dim blocks");
-  static_assert(ROWS == 64 || ROWS == 128, "one or two warpgroups");
+  static_assert(ROWS == 64 || ROWS == 128, "one or two computing warpgroups");
   static constexpr int kTokens = 64;      // KV tokens per tile: the score mma's N
-  static constexpr int kCtaRows = ROWS;   // query rows: 64 per warpgroup
-  static constexpr int kThreads = 2 * ROWS;
+  static constexpr int kCtaRows = ROWS;   // query rows: 64 per computing warpgroup
+  static constexpr int kThreads = ROWS == 128 ? 384 : 128;
+  static constexpr int kLoadThreads = 128;  // the warpgroup that issues copies and widens
   static constexpr int kStages = ROWS == 128 ? 3 : 2;  // int8 KV tiles in flight
-  using Stage = MultiTile<HEAD_DIM, kTokens, kThreads>;
+  using Stage = MultiTile<HEAD_DIM, kTokens, kLoadThreads>;
   static constexpr int kStageBytes = (Stage::kBytes + 1023) / 1024 * 1024;
   static constexpr int kBlocks = HEAD_DIM / 64;  // 64-dim blocks of an fp16 row
   static constexpr int kBlockBytes = 64 * 128;   // 64 rows of 64 fp16
@@ -43,17 +45,18 @@ struct WgLayout {
   }
 };
 
-// A stage's int8 K and V rows -> a copy in fp16 (each thread its share of 16-byte chunks), and
-// per-token scales alongside (the stage is refilled before the tile's softmax).
+// A stage's int8 K and V rows -> a copy in fp16 (each thread of warpgroup 0 its share of
+// 16-byte chunks), and per-token scales alongside (the stage is refilled before the tile's
+// softmax).
 template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES>
 __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
   using L = WgLayout<HEAD_DIM, ROWS>;
   constexpr int kChunks = HEAD_DIM / 16;
 #pragma unroll
-  for (int i = 0; i < L::kTokens * kChunks / L::kThreads; ++i) {
+  for (int i = 0; i < L::kTokens * kChunks / L::kLoadThreads; ++i) {
     // Consecutive threads take consecutive tokens of one chunk column: the eight rows of a
     // 16-byte access phase have distinct swizzled chunks (no bank conflicts), read and write.
-    const int idx = static_cast<int>(threadIdx.x) + i * L::kThreads;
+    const int idx = static_cast<int>(threadIdx.x) + i * L::kLoadThreads;
     const int t = idx % L::kTokens, ch = idx / L::kTokens;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {

@@ -80,7 +80,7 @@ class MultiVariant:
 
     @property
     def threads(self) -> int:
-        return 2 * self.wg_rows if self.wgmma else THREADS
+        return (384 if self.wg_rows == 128 else 128) if self.wgmma else THREADS
 
     @property
     def tile_tokens(self) -> int:
