@@ -21,10 +21,15 @@
 namespace llfd {
 
 // Named barriers (0 is __syncthreads'; 1 the computing warpgroups' merge, MergeTeam).
+template <int COPIES>
 struct WgBarriers {
+  static_assert(3 * COPIES + 3 <= 16, "16 named barriers");
   static constexpr int kLoad = 2;  // the loading warpgroup alone
   __device__ static __forceinline__ int full(int copy, int wg) { return 3 + 2 * copy + wg; }
-  __device__ static __forceinline__ int empty(int copy) { return 11 + copy; }
+  __device__ static __forceinline__ int empty(int copy) { return 3 + 2 * COPIES + copy; }
+  // The computing warpgroups' turns on the tensor cores (3 copies leave room for them).
+  __device__ static __forceinline__ int turn(int wg) { return 3 + 3 * COPIES + wg; }
+  static constexpr bool kPingPong = 3 * COPIES + 5 <= 16;
 };
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -44,12 +49,11 @@ template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED
 __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     multi_attend_wg(const __grid_constant__ MultiParams p) {
   using L = WgLayout<HEAD_DIM>;
-  using B = WgBarriers;
+  using B = WgBarriers<L::kCopies>;
   constexpr int kChunks = HEAD_DIM / 16, kNB = L::kTokens / 8, kKT = L::kTokens / 16;
   constexpr int kStages = L::kStages, kCopies = L::kCopies;
   constexpr int kOut = HEAD_DIM / 2;  // accumulators per thread: 64 rows x HEAD_DIM / 128
   constexpr int kCompute = L::kThreads - L::kLoadThreads;
-  static_assert(kCopies <= 4, "the named barriers hold four copies");
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int is_last;
@@ -140,14 +144,14 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kOut; ++i) o[i] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
-  float v_ref = kTokenScales ? 0.f : 1.f;
+  VRef vr;
   float s[4 * kNB];
   uint32_t a[kKT][4], a_next[kKT][4];
   float corr[2] = {1.f, 1.f};
   auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
     const int col0 = start + j * L::kTokens;
     // Masked where some row of the warpgroup stops inside the tile.
-    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, v_ref, corr, row_const,
+    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const,
                                          smem + copy_offset(j), col0 + L::kTokens > wg_full,
                                          col0, visible, c);
   };
@@ -155,14 +159,30 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
   };
 
+  // Ping-pong: the warpgroups take turns to issue their products (turn(w): warpgroup w's),
+  // so that one's softmax runs while the other's products do. Every warpgroup takes a turn
+  // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
+  // for it).
+  auto my_turn = [&]() __attribute__((always_inline)) {
+    if constexpr (B::kPingPong) named_sync(B::turn(cw), 256);
+  };
+  auto their_turn = [&](bool last) __attribute__((always_inline)) {
+    if constexpr (B::kPingPong)
+      if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
+  };
   if (tiles > 0) {
+    if (cw == 1) their_turn(false);
     acquire(0);
+    my_turn();
     if (computes(0)) {
       wgmma_fence();
       issue_scores<HEAD_DIM>(s, qa, copy_address(0));
+      their_turn(false);
       wgmma_wait<0>();
       fence_operands(s);
       softmax(0, a);
+    } else {
+      their_turn(false);
     }
   }
   // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
@@ -174,11 +194,13 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
     // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
     // computed from a stale copy and dropped (its P is zero).
+    my_turn();
     if (computes(j)) {
       rescale_rows(o, corr);
       wgmma_fence();
       issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
       issue_values<HEAD_DIM>(o, cur, copy_address(j));
+      their_turn(j + 1 == tiles);
       wgmma_wait<1>();
       fence_operands(s);
       if (computes(j + 1)) {
@@ -190,6 +212,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       }
       wgmma_wait<0>();
       fence_operands(o);
+    } else {
+      their_turn(j + 1 == tiles);
     }
     release(j);
   };
@@ -203,8 +227,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
   if (wg_active)
-    wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, v_const * v_ref, kvh, row0, r_lo, c,
-                                            part, active);
+    wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
+                                            r_lo, c, part, active);
   if (active == 1) return;
 
   merge_if_last<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, slot, active,

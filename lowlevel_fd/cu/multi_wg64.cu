@@ -89,14 +89,14 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
 #pragma unroll
   for (int i = 0; i < kOut; ++i) o[i] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
-  float v_ref = kTokenScales ? 0.f : 1.f;
+  VRef vr;
   float s[4 * kNB];
   uint32_t a[kKT][4];
   float corr[2] = {1.f, 1.f};
   auto softmax = [&](int j) __attribute__((always_inline)) {
     const int col0 = start + j * L::kTokens;
     // Masked where some row of the CTA stops inside the tile.
-    softmax_tile<HEAD_DIM, kTokenScales>(s, a, m, l, v_ref, corr, row_const,
+    softmax_tile<HEAD_DIM, kTokenScales>(s, a, m, l, vr, corr, row_const,
                                          smem + copy_offset(j), col0 + L::kTokens > full, col0,
                                          visible, c);
   };
@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
 
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
-  wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, v_const * v_ref, kvh, row0, r_lo, c,
-                                          part, active);
+  wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
+                                          r_lo, c, part, active);
   if (active == 1) return;
 
   merge_if_last<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,

@@ -49,13 +49,15 @@ __device__ __forceinline__ void wg_load_query(uint32_t (&qa)[HEAD_DIM / 16][4],
     ldmatrix_x4(qa[kk], q16_address + L::at(16 * wr + (lane & 15), 2 * kk + (lane >> 4)));
 }
 
-// A warpgroup's rows after its last tile: normalised, with their base-2 LSE, into the output
-// (one split) or the split's partial rows (`part`: its index; CTA_ROWS rows per partial).
+// A warpgroup's rows after its last tile: normalised, with their base-2 LSE (m + shift +
+// log2 l, softmax_tile's state), into the output (one split) or the split's partial rows
+// (`part`: its index; CTA_ROWS rows per partial).
 template <int HEAD_DIM, int CTA_ROWS, typename QT>
 __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const SequenceRows& sr,
                                               const float (&o)[HEAD_DIM / 2],
                                               const float (&m)[2], const float (&l)[2],
-                                              float v_scale, int kvh, int row0, int r_lo,
+                                              float shift, float v_scale, int kvh, int row0,
+                                              int r_lo,
                                               int c, int64_t part, int active) {
   constexpr int kOut = HEAD_DIM / 2;
 #pragma unroll
@@ -63,7 +65,7 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
     const int r = r_lo + 8 * hr, local = r - row0;
     const float sum = warp_sum_xor(l[hr], 2);
     if (r >= sr.rows) continue;
-    const float lse2 = sum > 0.f ? m[hr] + __log2f(sum) : kNegInf;
+    const float lse2 = sum > 0.f ? m[hr] + shift + __log2f(sum) : kNegInf;
     const float f = sum > 0.f ? v_scale / sum : 0.f;
     if (active == 1) {
       const int token = r / p.group_size, head = kvh * p.group_size + r - token * p.group_size;

@@ -31,7 +31,10 @@ struct WgLayout {
   static constexpr int kCopyBytes = (kCopyVScale + 4 * kTokens + 1023) / 1024 * 1024;
   // Widened tiles. Two warpgroups: j + 2 being written while j + 1 (S = Q K^T) and j (P V)
   // are read, and a fourth, as measured (multi_wg.cu). One: j + 1 written while j is read.
-  static constexpr int kCopies = ROWS == 128 ? 4 : 2;
+#ifndef LLFD_WG_COPIES
+#define LLFD_WG_COPIES 3
+#endif
+  static constexpr int kCopies = ROWS == 128 ? LLFD_WG_COPIES : 2;
   static constexpr int kCopy0 = kStages * kStageBytes;
   // The warpgroups' fp16 Q ([warpgroup][block][64][64]), read once into registers: one
   // warpgroup stages it in copy 1, written first in the loop's first step.
@@ -82,15 +85,26 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
   }
 }
 
+// The V side of the online softmax with per-token V scales: P carries each token's V scale
+// relative to the largest seen (`top`, so that P stays in [0, 1], fp16's range); the division
+// by `top` rides in the exponent as `shift` = log2(top), so the running sum l and the
+// accumulators are kept in units of 1 / top (rescaled with the maximum's correction when top
+// grows). Without token scales both stay 1 and 0.
+struct VRef {
+  float top = 0.f;    // the largest V scale seen (0: none positive yet)
+  float shift = 0.f;  // log2(top), 0 while top is 0
+};
+
 // One tile's scores -> P (fp16 A fragments of O += P V) and the online softmax's state, in
 // base 2: per-token K scales (from the widened tile at `copy`) on the score columns, V scales
-// folded into P relative to the largest seen (v_ref); the columns past a row's visible end (`visible`, from column col0)
+// folded into P (VRef); the columns past a row's visible end (`visible`, from column col0)
 // masked only where some row stops inside the tile (`masked`: a branch around the masking
 // alone, so that the softmax's code exists once in the loop: two inlined copies made the
-// loops long enough to miss in the instruction cache, PERF_NOTES m13).
+// loops long enough to miss in the instruction cache, PERF_NOTES m13). m: the rows' maxima of
+// the scaled scores; the rows' output is O / l and their LSE m + shift + log2(l).
 template <int HEAD_DIM, bool TOKEN_SCALES, int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
-                                             float (&m)[2], float (&l)[2], float& v_ref,
+                                             float (&m)[2], float (&l)[2], VRef& vr,
                                              float (&corr)[2], const float (&row_const)[2],
                                              const char* copy, bool masked, int col0,
                                              const int (&visible)[2], int c) {
@@ -114,6 +128,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
       for (int e = 0; e < 4; ++e)
         if (col0 + 8 * j + 2 * c + (e & 1) >= visible[e >> 1]) s[4 * j + e] = kNegInf;
   }
+  float2 vs[kNB];
+  const float shift_before = vr.shift;
+  if constexpr (TOKEN_SCALES) {
+    float local = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      vs[j] = *reinterpret_cast<const float2*>(v_scales + 8 * j + 2 * c);
+      local = fmaxf(local, fmaxf(vs[j].x, vs[j].y));
+    }
+    const float top = fmaxf(vr.top, warp_max_xor(local, 2));
+    if (top != vr.top) {  // uniform over the warp (a max over all its lanes)
+      vr.top = top;
+      vr.shift = __log2f(top);
+    }
+  }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     // Pairwise trees (not one chain): the two rows' max and sum are short dependency chains.
@@ -127,12 +156,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
     const float mx = warp_max_xor(part[0], 2);
     const float m_new = fmaxf(m[hr], mx * row_const[hr]);
     const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
-    corr[hr] = fast_exp2(m[hr] - m_use);
+    const float offset = m_use + vr.shift;
+    corr[hr] = fast_exp2(m[hr] + shift_before - offset);  // 0 while the row saw nothing
     m[hr] = m_new;
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      s[4 * j + 2 * hr] = fast_exp2(fmaf(s[4 * j + 2 * hr], row_const[hr], -m_use));
-      s[4 * j + 2 * hr + 1] = fast_exp2(fmaf(s[4 * j + 2 * hr + 1], row_const[hr], -m_use));
+      s[4 * j + 2 * hr] = fast_exp2(fmaf(s[4 * j + 2 * hr], row_const[hr], -offset));
+      s[4 * j + 2 * hr + 1] = fast_exp2(fmaf(s[4 * j + 2 * hr + 1], row_const[hr], -offset));
       part[j] = s[4 * j + 2 * hr] + s[4 * j + 2 * hr + 1];
     }
 #pragma unroll
@@ -141,34 +171,22 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
       for (int j = 0; j < width; ++j) part[j] += part[j + width];
     l[hr] = l[hr] * corr[hr] + part[0];
   }
-  float2 ratio[kNB];
-#pragma unroll
-  for (int j = 0; j < kNB; ++j) ratio[j] = make_float2(1.f, 1.f);
-  if constexpr (TOKEN_SCALES) {
-    float local = 0.f;
-#pragma unroll
-    for (int j = 0; j < kNB; ++j) {
-      ratio[j] = *reinterpret_cast<const float2*>(v_scales + 8 * j + 2 * c);
-      local = fmaxf(local, fmaxf(ratio[j].x, ratio[j].y));
-    }
-    const float new_ref = fmaxf(v_ref, warp_max_xor(local, 2));
-    const float inv = new_ref > 0.f ? 1.f / new_ref : 0.f;
-    const float change = new_ref > 0.f ? v_ref * inv : 1.f;
-#pragma unroll
-    for (int j = 0; j < kNB; ++j) ratio[j].x *= inv, ratio[j].y *= inv;
-    corr[0] *= change;
-    corr[1] *= change;
-    v_ref = new_ref;
-  }
 #pragma unroll
   for (int kt = 0; kt < kNB / 2; ++kt) {  // k = tokens 16 kt .. 16 kt + 15
     const float* lo = s + 4 * (2 * kt);
     const float* hi = s + 4 * (2 * kt + 1);
-    const float2 rl = ratio[2 * kt], rh = ratio[2 * kt + 1];
-    a[kt][0] = pack2<f16>(lo[0] * rl.x, lo[1] * rl.y);
-    a[kt][1] = pack2<f16>(lo[2] * rl.x, lo[3] * rl.y);
-    a[kt][2] = pack2<f16>(hi[0] * rh.x, hi[1] * rh.y);
-    a[kt][3] = pack2<f16>(hi[2] * rh.x, hi[3] * rh.y);
+    if constexpr (TOKEN_SCALES) {
+      const float2 rl = vs[2 * kt], rh = vs[2 * kt + 1];
+      a[kt][0] = pack2<f16>(lo[0] * rl.x, lo[1] * rl.y);
+      a[kt][1] = pack2<f16>(lo[2] * rl.x, lo[3] * rl.y);
+      a[kt][2] = pack2<f16>(hi[0] * rh.x, hi[1] * rh.y);
+      a[kt][3] = pack2<f16>(hi[2] * rh.x, hi[3] * rh.y);
+    } else {
+      a[kt][0] = pack2<f16>(lo[0], lo[1]);
+      a[kt][1] = pack2<f16>(lo[2], lo[3]);
+      a[kt][2] = pack2<f16>(hi[0], hi[1]);
+      a[kt][3] = pack2<f16>(hi[2], hi[3]);
+    }
   }
 }
 
@@ -177,11 +195,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
 template <int HEAD_DIM>
 __device__ __forceinline__ void issue_scores(float (&s)[32], const uint32_t (&qa)[HEAD_DIM / 16][4],
                                              uint32_t copy) {
-  wgmma_m64n64k16_rs_kmajor<true>(s, qa[0], sw128_descriptor(copy, 16, 1024));
+  const uint64_t k = sw128_descriptor(copy, 16, 1024);
+  wgmma_m64n64k16_rs_kmajor<true>(s, qa[0], k);
 #pragma unroll
   for (int kk = 1; kk < HEAD_DIM / 16; ++kk) {
     const uint32_t at = (kk >> 2) * WgLayout<HEAD_DIM>::kBlockBytes + (kk & 3) * 32;
-    wgmma_m64n64k16_rs_kmajor<false>(s, qa[kk], sw128_descriptor(copy + at, 16, 1024));
+    wgmma_m64n64k16_rs_kmajor<false>(s, qa[kk], descriptor_plus(k, at));
   }
   wgmma_commit();
 }
@@ -190,9 +209,10 @@ template <int HEAD_DIM>
 __device__ __forceinline__ void issue_values(float (&o)[HEAD_DIM / 2], const uint32_t (&a)[4][4],
                                              uint32_t copy) {
   using L = WgLayout<HEAD_DIM>;
+  const uint64_t v0 = sw128_descriptor(copy + L::kCopyV, L::kBlockBytes, 1024);
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) {
-    const uint64_t v = sw128_descriptor(copy + L::kCopyV + kt * 16 * 128, L::kBlockBytes, 1024);
+    const uint64_t v = descriptor_plus(v0, kt * 16 * 128);
     if constexpr (HEAD_DIM == 128)
       wgmma_m64n128k16_rs(o, a[kt], v, 1);
     else

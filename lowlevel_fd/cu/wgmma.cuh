@@ -11,12 +11,18 @@ namespace llfd {
 // Descriptor of a 128-byte-swizzled shared-memory operand (atoms of 8 rows x 128 bytes, 1024-byte
 // aligned; 16-byte chunk c of row r at r * 128 + 16 * (c ^ (r % 8))). K-major: `stride` bytes
 // between 8-row groups (`leading` unused); MN-major (transposed B): `leading` bytes between
-// 64-element blocks of N, `stride` between 8-row groups of K.
+// 64-element blocks of N, `stride` between 8-row groups of K. The low word holds the address
+// (>> 4) and the leading offset, the high one the stride and the swizzle mode: shared addresses
+// are below 256 KB, so an operand `bytes` further is the same descriptor with `bytes >> 4` added
+// to the low word (descriptor_plus: one add per MMA, no carry into the high word).
 __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t address, uint32_t leading,
                                                      uint32_t stride) {
-  return static_cast<uint64_t>((address & 0x3ffffu) >> 4) |
-         (static_cast<uint64_t>(leading >> 4) << 16) |
-         (static_cast<uint64_t>(stride >> 4) << 32) | (1ull << 62);
+  const uint32_t lo = (address >> 4) | ((leading >> 4) << 16);
+  const uint32_t hi = (stride >> 4) | (1u << 30);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t d, uint32_t bytes) {
+  return (d & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d) + (bytes >> 4));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
