@@ -12,9 +12,10 @@
 //    scales folded into P relative to the largest seen), O += P V (P from registers, V from
 //    the copy as a transposed operand).
 // The loader runs up to kCopies tiles ahead; named barriers hand the copies over: FULL(c, w)
-// (copy c widened, for computing warpgroup w: the two drift apart freely) and EMPTY(c) (both
-// computing warpgroups done with copy c). Each computing warpgroup issues S(j + 1) and
-// P(j) V(j) together and runs the softmax of S(j + 1) while P(j) V(j) is on the tensor cores.
+// (copy c widened, for computing warpgroup w) and EMPTY(c) (both computing warpgroups done
+// with copy c). Each computing warpgroup issues S(j + 1) and P(j) V(j) together and runs the
+// softmax of S(j + 1) while P(j) V(j) is on the tensor cores; the two take turns to issue
+// (two more named barriers: FA3's ping-pong), so one's softmax overlaps the other's products.
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_rows.cuh"
 

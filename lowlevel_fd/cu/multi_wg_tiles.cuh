@@ -29,12 +29,10 @@ struct WgLayout {
   static constexpr int kCopyV = kBlocks * kBlockBytes, kCopyKScale = 2 * kCopyV;
   static constexpr int kCopyVScale = kCopyKScale + 4 * kTokens;
   static constexpr int kCopyBytes = (kCopyVScale + 4 * kTokens + 1023) / 1024 * 1024;
-  // Widened tiles. Two warpgroups: j + 2 being written while j + 1 (S = Q K^T) and j (P V)
-  // are read, and a fourth, as measured (multi_wg.cu). One: j + 1 written while j is read.
-#ifndef LLFD_WG_COPIES
-#define LLFD_WG_COPIES 3
-#endif
-  static constexpr int kCopies = ROWS == 128 ? LLFD_WG_COPIES : 2;
+  // Widened tiles. 128 rows: tile j + 2 being written while j + 1 (S = Q K^T) and j (P V)
+  // are read (three left named barriers for the ping-pong; four measured no faster,
+  // multi_wg.cu). 64 rows: j + 1 written while j is read.
+  static constexpr int kCopies = ROWS == 128 ? 3 : 2;
   static constexpr int kCopy0 = kStages * kStageBytes;
   // The warpgroups' fp16 Q ([warpgroup][block][64][64]), read once into registers: one
   // warpgroup stages it in copy 1, written first in the loop's first step.
