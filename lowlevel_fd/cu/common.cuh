@@ -64,11 +64,6 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
   return out;
 }
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t out;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
-  return out;
-}
 constexpr uint32_t kMagic1152x2 = 0x64806480u;  // fp16 pair (1152, 1152)
 constexpr uint32_t kExp1024x4 = 0x64646464u;
 

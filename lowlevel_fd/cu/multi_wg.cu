@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       }
       cp_async_commit();
       if (j >= kCopies) named_sync(B::empty(j % kCopies), L::kThreads);
-      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales, true>(smem + st * L::kStageBytes,
+      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + st * L::kStageBytes,
                                                      smem + copy_offset(j));
       fence_proxy_async();
       named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
     const int col0 = start + j * L::kTokens;
     // Masked where some row of the warpgroup stops inside the tile.
-    softmax_tile<HEAD_DIM, kTokenScales, true>(s, p_out, m, l, vr, corr, row_const,
+    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const,
                                          smem + copy_offset(j), col0 + L::kTokens > wg_full,
                                          col0, visible, c);
   };

@@ -48,26 +48,11 @@ struct WgLayout {
 
 // A stage's int8 K and V rows -> a copy in fp16 (each thread of warpgroup 0 its share of
 // 16-byte chunks), and per-token scales alongside (the stage is refilled before the tile's
-// softmax). FOLD_K (per-token scales): each K row is widened already multiplied by its scale
-// over the tile's largest |scale| (fp16 values within [-127, 127]), and that largest is stored
-// in place of the K scales (softmax_tile puts it on the row's score scale: one multiply per
-// tile instead of one per score).
-template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, bool FOLD_K = false>
+// softmax).
+template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES>
 __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
   using L = WgLayout<HEAD_DIM, ROWS>;
   constexpr int kChunks = HEAD_DIM / 16;
-  constexpr bool kFold = FOLD_K && TOKEN_SCALES;
-  static_assert(L::kLoadThreads % L::kTokens == 0, "one token per thread");
-  uint32_t k_ratio = 0;  // kFold: this thread's token's scale / the tile's largest, fp16 pair
-  float k_top = 0.f;
-  if constexpr (kFold) {
-    const float* ks = reinterpret_cast<const float*>(stage + L::Stage::kKScale);
-    const int lane = threadIdx.x % 32;
-    k_top = warp_max_xor(fmaxf(fabsf(ks[lane]), fabsf(ks[lane + 32])), 16);
-    const float inv = k_top > 0.f ? __frcp_rn(k_top) : 0.f;
-    const float r = ks[threadIdx.x % L::kTokens] * inv;
-    k_ratio = pack2<f16>(r, r);
-  }
 #pragma unroll
   for (int i = 0; i < L::kTokens * kChunks / L::kLoadThreads; ++i) {
     // Consecutive threads take consecutive tokens of one chunk column: the eight rows of a
@@ -85,10 +70,6 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
         const uint32_t u = words[k] ^ 0x80808080u;
         h[2 * k] = int8_pair<0x4140u>(u);
         h[2 * k + 1] = int8_pair<0x4342u>(u);
-        if (kFold && !which) {
-          h[2 * k] = hmul2(h[2 * k], k_ratio);
-          h[2 * k + 1] = hmul2(h[2 * k + 1], k_ratio);
-        }
       }
       char* dst = copy + (which ? L::kCopyV : 0);
       *reinterpret_cast<uint4*>(dst + L::at(t, 2 * ch)) = make_uint4(h[0], h[1], h[2], h[3]);
@@ -96,11 +77,9 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
     }
   }
   if constexpr (TOKEN_SCALES) {
-    if (threadIdx.x < 2 * L::kTokens) {  // K scales then V scales: contiguous in both
-      float value = reinterpret_cast<const float*>(stage + L::Stage::kKScale)[threadIdx.x];
-      if (kFold && threadIdx.x < L::kTokens) value = k_top;
-      reinterpret_cast<float*>(copy + L::kCopyKScale)[threadIdx.x] = value;
-    }
+    if (threadIdx.x < 2 * L::kTokens)  // K scales then V scales: contiguous in both
+      reinterpret_cast<float*>(copy + L::kCopyKScale)[threadIdx.x] =
+          reinterpret_cast<const float*>(stage + L::Stage::kKScale)[threadIdx.x];
   }
 }
 
@@ -121,25 +100,18 @@ struct VRef {
 // alone, so that the softmax's code exists once in the loop: two inlined copies made the
 // loops long enough to miss in the instruction cache, PERF_NOTES m13). m: the rows' maxima of
 // the scaled scores; the rows' output is O / l and their LSE m + shift + log2(l).
-template <int HEAD_DIM, bool TOKEN_SCALES, bool FOLDED_K = false,
-          int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
+template <int HEAD_DIM, bool TOKEN_SCALES, int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
                                              float (&m)[2], float (&l)[2], VRef& vr,
-                                             float (&corr)[2], const float (&row_scale)[2],
+                                             float (&corr)[2], const float (&row_const)[2],
                                              const char* copy, bool masked, int col0,
                                              const int (&visible)[2], int c) {
   using L = WgLayout<HEAD_DIM>;
   const float* k_scales = reinterpret_cast<const float*>(copy + L::kCopyKScale);
   const float* v_scales = reinterpret_cast<const float*>(copy + L::kCopyVScale);
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
-  // one FFMA per score applies the row's scale and subtracts its maximum. FOLDED_K: the K
-  // rows came scaled (widen_tile), and the tile's largest |K scale| joins the row's scale.
-  float row_const[2] = {row_scale[0], row_scale[1]};
-  if constexpr (TOKEN_SCALES && FOLDED_K) {
-    const float top = k_scales[0];
-    row_const[0] = fmaxf(row_const[0] * top, 1.17549435e-38f);
-    row_const[1] = fmaxf(row_const[1] * top, 1.17549435e-38f);
-  } else if constexpr (TOKEN_SCALES) {
+  // one FFMA per score applies the row's scale and subtracts its maximum.
+  if constexpr (TOKEN_SCALES) {
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
       const float2 ks = *reinterpret_cast<const float2*>(k_scales + 8 * j + 2 * c);
