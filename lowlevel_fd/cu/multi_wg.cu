@@ -31,9 +31,6 @@ struct WgBarriers {
   // The computing warpgroups' turns on the tensor cores (3 copies leave room for them).
   __device__ static __forceinline__ int turn(int wg) { return 3 + 3 * COPIES + wg; }
   static constexpr bool kPingPong = 3 * COPIES + 5 <= 16;
-  // The loader is done with every stage (halves: the merge reuses them).
-  static constexpr int kDone = 3 * COPIES + 5;
-  static_assert(kDone < 16, "16 named barriers");
 };
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -115,7 +112,6 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     cp_async_wait<0>();
     if constexpr (PAGED)
       if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
-    if (halves) named_arrive(B::kDone, L::kThreads);
     return;
   }
 
@@ -262,8 +258,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
   float shift = vr.shift;
-  if (halves) {  // warpgroup 1's state joins warpgroup 0's, through the loader's stages
-    named_sync(B::kDone, L::kThreads);
+  if (halves) {  // warpgroup 1's state joins warpgroup 0's (every tile's copy retired)
+    named_sync(1, kCompute);
     merge_halves<HEAD_DIM>(o, m, l, shift, cw, threadIdx.x - L::kLoadThreads,
                            reinterpret_cast<float4*>(smem));
   }

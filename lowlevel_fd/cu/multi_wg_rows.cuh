@@ -91,9 +91,9 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
 // Two computing warpgroups that took alternate KV tiles of the same rows (multi_wg.cu,
 // "halves"): warpgroup 1's accumulators, sums and maxima (m + shift: the units its O and l are
 // kept in) go through shared memory (`scratch`, 128 threads x (HEAD_DIM / 8 + 1) float4, free
-// once the loader is done with them) to the thread of warpgroup 0 that holds the same rows,
-// which rescales both to the larger maximum and adds them (shift becomes 0). The caller syncs
-// with the loader first (a barrier it arrives at after its last tile).
+// once every tile is consumed) to the thread of warpgroup 0 that holds the same rows, which
+// rescales both to the larger maximum and adds them (shift becomes 0). The caller syncs the
+// computing threads before.
 template <int HEAD_DIM>
 __device__ __forceinline__ void merge_halves(float (&o)[HEAD_DIM / 2], float (&m)[2],
                                              float (&l)[2], float& shift, int cw, int thread,
