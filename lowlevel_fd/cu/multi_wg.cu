@@ -121,6 +121,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
   // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
   const int wg_row0 = halves ? row0 : row0 + 64 * cw;
+  const int first = halves ? cw : 0, step = halves ? 2 : 1;  // this warpgroup's tiles
   const bool wg_active = wg_row0 < sr.rows;
   const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
   const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
@@ -170,23 +171,24 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
   // for it).
   auto my_turn = [&]() __attribute__((always_inline)) {
-    if constexpr (B::kPingPong) named_sync(B::turn(cw), 256);
+    if constexpr (B::kPingPong)
+      if (!halves) named_sync(B::turn(cw), 256);
   };
   auto their_turn = [&](bool last) __attribute__((always_inline)) {
     if constexpr (B::kPingPong)
-      if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
+      if (!halves && !(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
   };
-  if (!halves && tiles > 0) {
+  if (tiles > first) {
     if (cw == 1) their_turn(false);
-    acquire(0);
+    acquire(first);
     my_turn();
-    if (computes(0)) {
+    if (computes(first)) {
       wgmma_fence();
-      issue_scores<HEAD_DIM>(s, qa, copy_address(0));
+      issue_scores<HEAD_DIM>(s, qa, copy_address(first));
       their_turn(false);
       wgmma_wait<0>();
       fence_operands(s);
-      softmax(0, a);
+      softmax(first, a);
     } else {
       their_turn(false);
     }
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // serialize every wgmma).
   auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
       __attribute__((always_inline)) {
-    const int next = j + 1;
+    const int next = j + step;
     if (next < tiles) acquire(next);
     // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
     // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
@@ -224,34 +226,10 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     }
     release(j);
   };
-  if (halves) {
-    // Alternate tiles, one at a time: each warpgroup holds one copy, so the loader widens a
-    // third while both compute (the pipelined step below holds two per warpgroup, which three
-    // copies cannot give two warpgroups: measured 27% slower). The other warpgroup's products
-    // overlap this one's softmax.
 #pragma unroll 1
-    for (int j = cw; j < tiles; j += 2) {
-      acquire(j);
-      if (computes(j)) {
-        wgmma_fence();
-        issue_scores<HEAD_DIM>(s, qa, copy_address(j));
-        wgmma_wait<0>();
-        fence_operands(s);
-        softmax(j, a);
-        rescale_rows(o, corr);
-        wgmma_fence();
-        issue_values<HEAD_DIM>(o, a, copy_address(j));
-        wgmma_wait<0>();
-        fence_operands(o);
-      }
-      release(j);
-    }
-  } else {
-#pragma unroll 1
-    for (int j = 0; j < tiles; j += 2) {
-      tile_step(j, a, a_next);
-      if (j + 1 < tiles) tile_step(j + 1, a_next, a);
-    }
+  for (int j = first; j < tiles; j += 2 * step) {
+    tile_step(j, a, a_next);
+    if (j + step < tiles) tile_step(j + step, a_next, a);
   }
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
