@@ -73,11 +73,6 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int row0 = work.row0, tile_rows = work.tile_rows, active = work.active;
   const int start = work.start, end = work.end;
   const int tiles = work.tiles();
-  // A row tile of at most 64 rows (a multi-query group, drafts, a prefill's last tile) fills
-  // one computing warpgroup: both then take its rows, each every other KV tile ("halves"),
-  // and their states are merged at the end.
-  const bool halves = tile_rows <= 64;
-  const int empty_count = halves ? L::kLoadThreads + 128 : L::kThreads;
   auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
     return L::kCopy0 + j % kCopies * L::kCopyBytes;
   };
@@ -102,12 +97,12 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
         loader.fetch(p, t_issue + L::kTokens, end);
       }
       cp_async_commit();
-      if (j >= kCopies) named_sync(B::empty(j % kCopies), empty_count);
+      if (j >= kCopies) named_sync(B::empty(j % kCopies), L::kThreads);
       widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + st * L::kStageBytes,
                                                      smem + copy_offset(j));
       fence_proxy_async();
-      if (!halves || j % 2 == 0) named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
-      if (!halves || j % 2 == 1) named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
+      named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
+      named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
     }
     cp_async_wait<0>();
     if constexpr (PAGED)
@@ -120,8 +115,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int cw = wg - 1;
   // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
   // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
-  const int wg_row0 = halves ? row0 : row0 + 64 * cw;
-  const int first = halves ? cw : 0, step = halves ? 2 : 1;  // this warpgroup's tiles
+  const int wg_row0 = row0 + 64 * cw;
   const bool wg_active = wg_row0 < sr.rows;
   const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
   const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
@@ -141,7 +135,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     named_sync(B::full(j % kCopies, cw), L::kLoadThreads + 128);
   };
   auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done with it
-    if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), empty_count);
+    if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), L::kThreads);
   };
   auto copy_address = [&](int j) __attribute__((always_inline)) {
     return base + copy_offset(j);
@@ -171,24 +165,23 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
   // for it).
   auto my_turn = [&]() __attribute__((always_inline)) {
-    if constexpr (B::kPingPong)
-      if (!halves) named_sync(B::turn(cw), 256);
+    if constexpr (B::kPingPong) named_sync(B::turn(cw), 256);
   };
   auto their_turn = [&](bool last) __attribute__((always_inline)) {
     if constexpr (B::kPingPong)
-      if (!halves && !(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
+      if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
   };
-  if (tiles > first) {
+  if (tiles > 0) {
     if (cw == 1) their_turn(false);
-    acquire(first);
+    acquire(0);
     my_turn();
-    if (computes(first)) {
+    if (computes(0)) {
       wgmma_fence();
-      issue_scores<HEAD_DIM>(s, qa, copy_address(first));
+      issue_scores<HEAD_DIM>(s, qa, copy_address(0));
       their_turn(false);
       wgmma_wait<0>();
       fence_operands(s);
-      softmax(first, a);
+      softmax(0, a);
     } else {
       their_turn(false);
     }
@@ -198,8 +191,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // serialize every wgmma).
   auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
       __attribute__((always_inline)) {
-    const int next = j + step;
-    if (next < tiles) acquire(next);
+    if (j + 1 < tiles) acquire(j + 1);
     // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
     // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
     // computed from a stale copy and dropped (its P is zero).
@@ -207,13 +199,13 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     if (computes(j)) {
       rescale_rows(o, corr);
       wgmma_fence();
-      issue_scores<HEAD_DIM>(s, qa, copy_address(next));
+      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
       issue_values<HEAD_DIM>(o, cur, copy_address(j));
       their_turn(j + 1 == tiles);
       wgmma_wait<1>();
       fence_operands(s);
-      if (computes(next)) {
-        softmax(next, nxt);
+      if (computes(j + 1)) {
+        softmax(j + 1, nxt);
       } else {
 #pragma unroll
         for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
@@ -227,22 +219,16 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     release(j);
   };
 #pragma unroll 1
-  for (int j = first; j < tiles; j += 2 * step) {
+  for (int j = 0; j < tiles; j += 2) {
     tile_step(j, a, a_next);
-    if (j + step < tiles) tile_step(j + step, a_next, a);
+    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
   }
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
-  float shift = vr.shift;
-  if (halves) {  // warpgroup 1's state joins warpgroup 0's (every tile's copy retired)
-    named_sync(1, kCompute);
-    merge_halves<HEAD_DIM>(o, m, l, shift, cw, threadIdx.x - L::kLoadThreads,
-                           reinterpret_cast<float4*>(smem));
-  }
-  if (wg_active && !(halves && cw == 1))
-    wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, shift, v_const, kvh, row0,
+  if (wg_active)
+    wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
                                             r_lo, c, part, active);
   if (active == 1) return;
 

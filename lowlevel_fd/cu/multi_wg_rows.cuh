@@ -88,49 +88,6 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
   }
 }
 
-// Two computing warpgroups that took alternate KV tiles of the same rows (multi_wg.cu,
-// "halves"): warpgroup 1's accumulators, sums and maxima (m + shift: the units its O and l are
-// kept in) go through shared memory (`scratch`, 128 threads x (HEAD_DIM / 8 + 1) float4, free
-// once every tile is consumed) to the thread of warpgroup 0 that holds the same rows, which
-// rescales both to the larger maximum and adds them (shift becomes 0). The caller syncs the
-// computing threads before.
-template <int HEAD_DIM>
-__device__ __forceinline__ void merge_halves(float (&o)[HEAD_DIM / 2], float (&m)[2],
-                                             float (&l)[2], float& shift, int cw, int thread,
-                                             float4* scratch) {
-  constexpr int kQuads = HEAD_DIM / 8;  // float4 of accumulators per thread
-  float4* mine = scratch + (thread % 128) * (kQuads + 1);
-  if (cw == 1) {
-#pragma unroll
-    for (int i = 0; i < kQuads; ++i)
-      mine[i] = make_float4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
-    mine[kQuads] = make_float4(m[0] + shift, m[1] + shift, l[0], l[1]);
-  }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  if (cw == 1) return;
-  const float4 other = mine[kQuads];
-  const float other_m[2] = {other.x, other.y}, other_l[2] = {other.z, other.w};
-  float mine_f[2], other_f[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float own = m[hr] + shift, top = fmaxf(own, other_m[hr]);
-    const float use = top == kNegInf ? 0.f : top;  // neither saw a column: both stay 0
-    mine_f[hr] = fast_exp2(own - use);
-    other_f[hr] = fast_exp2(other_m[hr] - use);
-    l[hr] = l[hr] * mine_f[hr] + other_l[hr] * other_f[hr];
-    m[hr] = top;
-  }
-#pragma unroll
-  for (int i = 0; i < kQuads; ++i) {
-    const float4 w = mine[i];
-    o[4 * i] = o[4 * i] * mine_f[0] + w.x * other_f[0];
-    o[4 * i + 1] = o[4 * i + 1] * mine_f[0] + w.y * other_f[0];
-    o[4 * i + 2] = o[4 * i + 2] * mine_f[1] + w.z * other_f[1];
-    o[4 * i + 3] = o[4 * i + 3] * mine_f[1] + w.w * other_f[1];
-  }
-  shift = 0.f;
-}
-
 // O *= the softmax's correction of its rows (skipped when no lane's changed).
 template <int N>
 __device__ __forceinline__ void rescale_rows(float (&o)[N], const float (&corr)[2]) {
