@@ -1,6 +1,7 @@
 // Multi-token attention over the INT8 cache on Hopper's warpgroup MMA (wgmma, sm_90a): the
-// kernel for prefill and long chunks at head_dim 64 and 128, more than 64 query rows per KV
-// head (multi_wg64.cu takes 33-64, multi.cu the rest).
+// kernel for prefill, long chunks and more than 32 query rows per KV head at head_dim 64 and
+// 128 (multi_wg64.cu takes 33-64 where the row tiles fill two of its CTAs per SM, multi.cu
+// the rest; planner.choose_wg_rows).
 //
 // A CTA is three warpgroups over one KV head, warp-specialized (FA3's division of labour):
 //  * warpgroup 0 loads: K/V tiles of 64 tokens through the same cp.async stages as multi.cu
@@ -38,6 +39,8 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// setmaxnreg: below the 168 registers a thread of a 384-thread CTA starts with, give back;
+// above, take (72 + 2 x 216 = 3 x 168: the pool holds both).
 template <int N>
 __device__ __forceinline__ void set_max_registers() {
   if constexpr (N < 168)
