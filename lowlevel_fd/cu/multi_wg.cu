@@ -25,13 +25,12 @@ namespace llfd {
 // Named barriers (0 is __syncthreads'; 1 the computing warpgroups' merge, MergeTeam).
 template <int COPIES>
 struct WgBarriers {
-  static_assert(3 * COPIES + 3 <= 16, "16 named barriers");
+  static_assert(3 * COPIES + 5 <= 16, "16 named barriers: FULL, EMPTY and the two turns");
   static constexpr int kLoad = 2;  // the loading warpgroup alone
   __device__ static __forceinline__ int full(int copy, int wg) { return 3 + 2 * copy + wg; }
   __device__ static __forceinline__ int empty(int copy) { return 3 + 2 * COPIES + copy; }
   // The computing warpgroups' turns on the tensor cores (3 copies leave room for them).
   __device__ static __forceinline__ int turn(int wg) { return 3 + 3 * COPIES + wg; }
-  static constexpr bool kPingPong = 3 * COPIES + 5 <= 16;
 };
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -61,8 +60,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int is_last;
-  // Swizzled operands need 1024-byte-aligned atoms: the plan adds 1 KB of slack.
-  char* const smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
+  char* const smem = swizzle_aligned(smem_raw);
   const uint32_t base = shared_address(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -168,11 +166,10 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
   // for it).
   auto my_turn = [&]() __attribute__((always_inline)) {
-    if constexpr (B::kPingPong) named_sync(B::turn(cw), 256);
+    named_sync(B::turn(cw), 256);
   };
   auto their_turn = [&](bool last) __attribute__((always_inline)) {
-    if constexpr (B::kPingPong)
-      if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
+    if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
   };
   if (tiles > 0) {
     if (cw == 1) their_turn(false);

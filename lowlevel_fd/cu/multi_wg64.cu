@@ -22,8 +22,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int is_last;
-  // Swizzled operands need 1024-byte-aligned atoms: the plan adds 1 KB of slack.
-  char* const smem = smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
+  char* const smem = swizzle_aligned(smem_raw);
   const uint32_t base = shared_address(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;

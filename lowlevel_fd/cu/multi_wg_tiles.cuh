@@ -46,6 +46,12 @@ struct WgLayout {
   }
 };
 
+// The dynamic shared memory from its first 1024-byte boundary: swizzled operands need
+// 1024-byte-aligned atoms (the plan adds 1 KB of slack).
+__device__ __forceinline__ char* swizzle_aligned(char* smem_raw) {
+  return smem_raw + ((1024u - (shared_address(smem_raw) & 1023u)) & 1023u);
+}
+
 // A stage's int8 K and V rows -> a copy in fp16 (each thread of warpgroup 0 its share of
 // 16-byte chunks), and per-token scales alongside (the stage is refilled before the tile's
 // softmax).
