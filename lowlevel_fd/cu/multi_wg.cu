@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     if (j + 1 < tiles) acquire(j + 1);
     // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
     // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
-    // computed from a stale copy and dropped (its P is zero).
+    // computed from a stale copy and dropped.
     my_turn();
     if (computes(j)) {
       rescale_rows(o, corr);
@@ -204,13 +204,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       their_turn(j + 1 == tiles);
       wgmma_wait<1>();
       fence_operands(s);
-      if (computes(j + 1)) {
-        softmax(j + 1, nxt);
-      } else {
-#pragma unroll
-        for (int kt = 0; kt < kKT; ++kt) nxt[kt][0] = nxt[kt][1] = nxt[kt][2] = nxt[kt][3] = 0u;
-        corr[0] = corr[1] = 1.f;
-      }
+      // computes() only turns false: a tile it skips is never P V's operand, so nxt and corr
+      // are left as they are.
+      if (computes(j + 1)) softmax(j + 1, nxt);
       wgmma_wait<0>();
       fence_operands(o);
     } else {

@@ -28,7 +28,8 @@ struct WgLayout {
   // A widened tile ("copy"): K and V as [block][64][64] fp16, then the K and V scales (fp32).
   static constexpr int kCopyV = kBlocks * kBlockBytes, kCopyKScale = 2 * kCopyV;
   static constexpr int kCopyVScale = kCopyKScale + 4 * kTokens;
-  static constexpr int kCopyBytes = (kCopyVScale + 4 * kTokens + 1023) / 1024 * 1024;
+  static constexpr int kCopyVMax = kCopyVScale + 4 * kTokens;  // two halves' largest V scale
+  static constexpr int kCopyBytes = (kCopyVMax + 8 + 1023) / 1024 * 1024;
   // Widened tiles. 128 rows: tile j + 2 being written while j + 1 (S = Q K^T) and j (P V)
   // are read (three left named barriers for the ping-pong; four measured no faster,
   // multi_wg.cu). 64 rows: j + 1 written while j is read.
@@ -83,9 +84,16 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
     }
   }
   if constexpr (TOKEN_SCALES) {
-    if (threadIdx.x < 2 * L::kTokens)  // K scales then V scales: contiguous in both
-      reinterpret_cast<float*>(copy + L::kCopyKScale)[threadIdx.x] =
-          reinterpret_cast<const float*>(stage + L::Stage::kKScale)[threadIdx.x];
+    static_assert(L::kLoadThreads == 2 * L::kTokens, "one scale per loading thread");
+    // K scales then V scales: contiguous in both. The V scales' warps also leave their
+    // largest (softmax_tile's reference), so that the computing warps need not find it.
+    const float scale = reinterpret_cast<const float*>(stage + L::Stage::kKScale)[threadIdx.x];
+    reinterpret_cast<float*>(copy + L::kCopyKScale)[threadIdx.x] = scale;
+    if (threadIdx.x >= L::kTokens) {  // warp-uniform
+      const float top = warp_max_xor(scale, 16);
+      if (threadIdx.x % 32 == 0)
+        reinterpret_cast<float*>(copy + L::kCopyVMax)[(threadIdx.x - L::kTokens) / 32] = top;
+    }
   }
 }
 
@@ -94,6 +102,8 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
 // by `top` rides in the exponent as `shift` = log2(top), so the running sum l and the
 // accumulators are kept in units of 1 / top (rescaled with the maximum's correction when top
 // grows). Without token scales both stay 1 and 0.
+constexpr float kLazyMax = 8.f;  // log2 of the largest P between rescales (softmax_tile)
+
 struct VRef {
   float top = 0.f;    // the largest V scale seen (0: none positive yet)
   float shift = 0.f;  // log2(top), 0 while top is 0
@@ -135,14 +145,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
   float2 vs[kNB];
   const float shift_before = vr.shift;
   if constexpr (TOKEN_SCALES) {
-    float local = 0.f;
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) {
-      vs[j] = *reinterpret_cast<const float2*>(v_scales + 8 * j + 2 * c);
-      local = fmaxf(local, fmaxf(vs[j].x, vs[j].y));
-    }
-    const float top = fmaxf(vr.top, warp_max_xor(local, 2));
-    if (top != vr.top) {  // uniform over the warp (a max over all its lanes)
+    for (int j = 0; j < kNB; ++j) vs[j] = *reinterpret_cast<const float2*>(v_scales + 8 * j + 2 * c);
+    const float2 tile_top = *reinterpret_cast<const float2*>(copy + L::kCopyVMax);
+    const float top = fmaxf(vr.top, fmaxf(tile_top.x, tile_top.y));
+    if (top != vr.top) {  // uniform over the warp (the tile's largest, from shared memory)
       vr.top = top;
       vr.shift = __log2f(top);
     }
@@ -157,8 +164,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
     for (int width = kNB / 2; width > 0; width /= 2)
 #pragma unroll
       for (int j = 0; j < width; ++j) part[j] = fmaxf(part[j], part[j + width]);
-    const float mx = warp_max_xor(part[0], 2);
-    const float m_new = fmaxf(m[hr], mx * row_const[hr]);
+    // The maximum moves only when the tile's exceeds it by more than kLazyMax (FA4's lazy
+    // rescale): P <= 2^kLazyMax (fp16 holds it exactly as well), and most tiles then leave
+    // every row's maximum, so rescale_rows skips the accumulators.
+    const float mx = warp_max_xor(part[0], 2) * row_const[hr];
+    const float m_new = mx > m[hr] + kLazyMax ? mx : m[hr];
     const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet
     const float offset = m_use + vr.shift;
     corr[hr] = fast_exp2(m[hr] + shift_before - offset);  // 0 while the row saw nothing
