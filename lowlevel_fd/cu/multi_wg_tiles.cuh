@@ -25,11 +25,19 @@ struct WgLayout {
   static constexpr int kStageBytes = (Stage::kBytes + 1023) / 1024 * 1024;
   static constexpr int kBlocks = HEAD_DIM / 64;  // 64-dim blocks of an fp16 row
   static constexpr int kBlockBytes = 64 * 128;   // 64 rows of 64 fp16
-  // A widened tile ("copy"): K and V as [block][64][64] fp16, then the K and V scales (fp32).
+  // A widened tile ("copy"): K and V as [block][64][64] fp16, then the K and V scales (fp32,
+  // each lane's in a row: scale_at), then the largest V scale of each half tile.
   static constexpr int kCopyV = kBlocks * kBlockBytes, kCopyKScale = 2 * kCopyV;
-  static constexpr int kCopyVScale = kCopyKScale + 4 * kTokens;
-  static constexpr int kCopyVMax = kCopyVScale + 4 * kTokens;  // two halves' largest V scale
+  static constexpr int kScaleRow = 20;  // floats per lane's row: 16 scales, 4 against conflicts
+  static constexpr int kCopyVScale = kCopyKScale + 4 * 4 * kScaleRow;
+  static constexpr int kCopyVMax = kCopyVScale + 4 * 4 * kScaleRow;
   static constexpr int kCopyBytes = (kCopyVMax + 8 + 1023) / 1024 * 1024;
+  static_assert(kTokens == 64, "scale_at: 8 column blocks of 8 tokens");
+  // Token t's scale: the score columns 8 j + 2 c + e are lane c's (the accumulator layout),
+  // so that lane reads its 16 scales as four 16-byte words.
+  __device__ static __forceinline__ int scale_at(int t) {
+    return ((t >> 1) & 3) * kScaleRow + (t >> 3) * 2 + (t & 1);
+  }
   // Widened tiles. 128 rows: tile j + 2 being written while j + 1 (S = Q K^T) and j (P V)
   // are read (three left named barriers for the ping-pong; four measured no faster,
   // multi_wg.cu). 64 rows: j + 1 written while j is read.
@@ -88,8 +96,10 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
     // K scales then V scales: contiguous in both. The V scales' warps also leave their
     // largest (softmax_tile's reference), so that the computing warps need not find it.
     const float scale = reinterpret_cast<const float*>(stage + L::Stage::kKScale)[threadIdx.x];
-    reinterpret_cast<float*>(copy + L::kCopyKScale)[threadIdx.x] = scale;
-    if (threadIdx.x >= L::kTokens) {  // warp-uniform
+    const bool v = threadIdx.x >= L::kTokens;  // warp-uniform
+    reinterpret_cast<float*>(copy + (v ? L::kCopyVScale : L::kCopyKScale))[L::scale_at(
+        threadIdx.x % L::kTokens)] = scale;
+    if (v) {
       const float top = warp_max_xor(scale, 16);
       if (threadIdx.x % 32 == 0)
         reinterpret_cast<float*>(copy + L::kCopyVMax)[(threadIdx.x - L::kTokens) / 32] = top;
@@ -123,14 +133,22 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
                                              const char* copy, bool masked, int col0,
                                              const int (&visible)[2], int c) {
   using L = WgLayout<HEAD_DIM>;
-  const float* k_scales = reinterpret_cast<const float*>(copy + L::kCopyKScale);
-  const float* v_scales = reinterpret_cast<const float*>(copy + L::kCopyVScale);
+  // This lane's scales: float2 j holds columns 8 j + 2 c and + 1 (widen_tile's scale_at).
+  const int lane_row = c * L::kScaleRow / 4;
+  const float4* k_scales = reinterpret_cast<const float4*>(copy + L::kCopyKScale) + lane_row;
+  const float4* v_scales = reinterpret_cast<const float4*>(copy + L::kCopyVScale) + lane_row;
+  auto pair = [](const float4 (&w)[kNB / 2], int j) __attribute__((always_inline)) {
+    return j & 1 ? make_float2(w[j / 2].z, w[j / 2].w) : make_float2(w[j / 2].x, w[j / 2].y);
+  };
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
   // one FFMA per score applies the row's scale and subtracts its maximum.
   if constexpr (TOKEN_SCALES) {
+    float4 kw[kNB / 2];
+#pragma unroll
+    for (int i = 0; i < kNB / 2; ++i) kw[i] = k_scales[i];
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const float2 ks = *reinterpret_cast<const float2*>(k_scales + 8 * j + 2 * c);
+      const float2 ks = pair(kw, j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[4 * j + e] *= (e & 1) ? ks.y : ks.x;
     }
@@ -145,8 +163,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
   float2 vs[kNB];
   const float shift_before = vr.shift;
   if constexpr (TOKEN_SCALES) {
+    float4 vw[kNB / 2];
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) vs[j] = *reinterpret_cast<const float2*>(v_scales + 8 * j + 2 * c);
+    for (int i = 0; i < kNB / 2; ++i) vw[i] = v_scales[i];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) vs[j] = pair(vw, j);
     const float2 tile_top = *reinterpret_cast<const float2*>(copy + L::kCopyVMax);
     const float top = fmaxf(vr.top, fmaxf(tile_top.x, tile_top.y));
     if (top != vr.top) {  // uniform over the warp (the tile's largest, from shared memory)

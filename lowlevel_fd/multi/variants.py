@@ -113,12 +113,14 @@ class MultiVariant:
         """multi.cu: the pipeline's stages and the warps' Q fragments (16 bytes per lane,
         m-block and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
         lane's accumulators) and the split merge. The warpgroup kernels (WgLayout::kBytes):
-        int8 stages (three; two at 64 rows), widened tiles (fp16 K and V and their fp32 scales,
-        1 KB aligned: three; two at 64 rows), the computing warpgroups' fp16 Q (64 rows each;
-        at 64 rows staged in the second widened tile), and 1 KB to align them."""
+        int8 stages (three; two at 64 rows), widened tiles (fp16 K and V, their fp32 scales in
+        rows of 20 floats per lane and two V maxima, 1 KB aligned: three; two at 64 rows), the
+        computing warpgroups' fp16 Q (64 rows each; at 64 rows staged in the second widened
+        tile), and 1 KB to align them."""
         if self.wgmma:
             rows = self.tile_tokens
-            copy = -(-(2 * rows * self.head_dim * 2 + 8 * rows) // 1024) * 1024
+            scales = 2 * 4 * 20 * 4 + 8
+            copy = -(-(2 * rows * self.head_dim * 2 + scales) // 1024) * 1024
             if self.wg_rows == 64:
                 return 2 * self.stage_bytes + 2 * copy + 1024
             query = 2 * 64 * self.head_dim * 2
