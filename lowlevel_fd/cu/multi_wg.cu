@@ -82,6 +82,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     // ---- loading warpgroup: tile j landed -> tile j + kStages - 1 issued into the stage of
     // tile j - 1 -> copy slot of tile j free (tile j - kCopies retired) -> tile j widened ----
     set_max_registers<72>();
+    // The stage's reads batched where the loader's 72 registers hold them (not with page ids
+    // or fp16 scales' selectors: those spilled).
+    constexpr bool kReadFirst = !PAGED && sizeof(ScaleT) == 4;
     TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kLoadThreads, !PAGED>
         loader(b, kvh);
     loader.prime<kStages>(p, base, L::kStageBytes, start, end);
@@ -99,8 +102,8 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       }
       cp_async_commit();
       if (j >= kCopies) named_sync(B::empty(j % kCopies), L::kThreads);
-      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales>(smem + st * L::kStageBytes,
-                                                     smem + copy_offset(j));
+      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales, kReadFirst>(smem + st * L::kStageBytes,
+                                                                 smem + copy_offset(j));
       fence_proxy_async();
       named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
       named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
@@ -150,10 +153,11 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   float s[4 * kNB];
   uint32_t a[kKT][4], a_next[kKT][4];
   float corr[2] = {1.f, 1.f};
+  KScales<HEAD_DIM, kTokenScales> ks;
   auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
     const int col0 = start + j * L::kTokens;
     // Masked where some row of the warpgroup stops inside the tile.
-    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const,
+    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const, ks,
                                          smem + copy_offset(j), col0 + L::kTokens > wg_full,
                                          col0, visible, c);
   };
@@ -179,6 +183,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       wgmma_fence();
       issue_scores<HEAD_DIM>(s, qa, copy_address(0));
       their_turn(false);
+      ks.load(smem + copy_offset(0), c);
       wgmma_wait<0>();
       fence_operands(s);
       softmax(0, a);
@@ -202,6 +207,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
       issue_values<HEAD_DIM>(o, cur, copy_address(j));
       their_turn(j + 1 == tiles);
+      ks.load(smem + copy_offset(j + 1), c);  // acquired, or a stale copy nobody writes
       wgmma_wait<1>();
       fence_operands(s);
       // computes() only turns false: a tile it skips is never P V's operand, so nxt and corr

@@ -95,7 +95,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   auto softmax = [&](int j) __attribute__((always_inline)) {
     const int col0 = start + j * L::kTokens;
     // Masked where some row of the CTA stops inside the tile.
-    softmax_tile<HEAD_DIM, kTokenScales>(s, a, m, l, vr, corr, row_const,
+    KScales<HEAD_DIM, kTokenScales> ks;
+    ks.load(smem + copy_offset(j), c);
+    softmax_tile<HEAD_DIM, kTokenScales>(s, a, m, l, vr, corr, row_const, ks,
                                          smem + copy_offset(j), col0 + L::kTokens > full, col0,
                                          visible, c);
   };

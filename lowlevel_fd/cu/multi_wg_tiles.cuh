@@ -64,20 +64,35 @@ __device__ __forceinline__ char* swizzle_aligned(char* smem_raw) {
 // A stage's int8 K and V rows -> a copy in fp16 (each thread of warpgroup 0 its share of
 // 16-byte chunks), and per-token scales alongside (the stage is refilled before the tile's
 // softmax).
-template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES>
+template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, bool READ_FIRST = false>
 __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
   using L = WgLayout<HEAD_DIM, ROWS>;
   constexpr int kChunks = HEAD_DIM / 16;
+  constexpr int kSteps = L::kTokens * kChunks / L::kLoadThreads;
+  // READ_FIRST: all of this thread's 16-byte reads first (the conversions then wait on their
+  // own read only; 32 more registers: multi_wg.cu's contiguous loaders with fp32 scales).
+  uint4 in[kSteps][2];
+  auto read = [&](int i, int which) __attribute__((always_inline)) {
+    const int idx = static_cast<int>(threadIdx.x) + i * L::kLoadThreads;
+    return *reinterpret_cast<const uint4*>(stage + (which ? L::Stage::kV : L::Stage::kK) +
+                                           L::Stage::offset(idx % L::kTokens, idx / L::kTokens));
+  };
+  if constexpr (READ_FIRST) {
 #pragma unroll
-  for (int i = 0; i < L::kTokens * kChunks / L::kLoadThreads; ++i) {
+    for (int i = 0; i < kSteps; ++i) {
+      in[i][0] = read(i, 0);
+      in[i][1] = read(i, 1);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
     // Consecutive threads take consecutive tokens of one chunk column: the eight rows of a
     // 16-byte access phase have distinct swizzled chunks (no bank conflicts), read and write.
     const int idx = static_cast<int>(threadIdx.x) + i * L::kLoadThreads;
     const int t = idx % L::kTokens, ch = idx / L::kTokens;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
-      const uint4 w = *reinterpret_cast<const uint4*>(
-          stage + (which ? L::Stage::kV : L::Stage::kK) + L::Stage::offset(t, ch));
+      const uint4 w = READ_FIRST ? in[i][which] : read(i, which);
       const uint32_t words[4] = {w.x, w.y, w.z, w.w};
       uint32_t h[8];
 #pragma unroll
@@ -126,29 +141,41 @@ struct VRef {
 // alone, so that the softmax's code exists once in the loop: two inlined copies made the
 // loops long enough to miss in the instruction cache, PERF_NOTES m13). m: the rows' maxima of
 // the scaled scores; the rows' output is O / l and their LSE m + shift + log2(l).
+// This lane's K scales of the widened tile at `copy` (float2 j: columns 8 j + 2 c and + 1,
+// widen_tile's scale_at), loaded before the scores' wait so that their latency is hidden.
+template <int HEAD_DIM, bool TOKEN_SCALES>
+struct KScales {
+  float4 w[TOKEN_SCALES ? 4 : 1];
+  __device__ __forceinline__ void load(const char* copy, int c) {
+    using L = WgLayout<HEAD_DIM>;
+    if constexpr (TOKEN_SCALES) {
+      const float4* k = reinterpret_cast<const float4*>(copy + L::kCopyKScale) + c * L::kScaleRow / 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = k[i];
+    }
+  }
+};
+
 template <int HEAD_DIM, bool TOKEN_SCALES, int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
                                              float (&m)[2], float (&l)[2], VRef& vr,
                                              float (&corr)[2], const float (&row_const)[2],
+                                             const KScales<HEAD_DIM, TOKEN_SCALES>& ks_in,
                                              const char* copy, bool masked, int col0,
                                              const int (&visible)[2], int c) {
   using L = WgLayout<HEAD_DIM>;
-  // This lane's scales: float2 j holds columns 8 j + 2 c and + 1 (widen_tile's scale_at).
-  const int lane_row = c * L::kScaleRow / 4;
-  const float4* k_scales = reinterpret_cast<const float4*>(copy + L::kCopyKScale) + lane_row;
-  const float4* v_scales = reinterpret_cast<const float4*>(copy + L::kCopyVScale) + lane_row;
+  static_assert(kNB == 8, "KScales: 16 scales per lane");
+  // This lane's V scales: float2 j holds columns 8 j + 2 c and + 1 (widen_tile's scale_at).
+  const float4* v_scales = reinterpret_cast<const float4*>(copy + L::kCopyVScale) + c * L::kScaleRow / 4;
   auto pair = [](const float4 (&w)[kNB / 2], int j) __attribute__((always_inline)) {
     return j & 1 ? make_float2(w[j / 2].z, w[j / 2].w) : make_float2(w[j / 2].x, w[j / 2].y);
   };
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
   // one FFMA per score applies the row's scale and subtracts its maximum.
   if constexpr (TOKEN_SCALES) {
-    float4 kw[kNB / 2];
-#pragma unroll
-    for (int i = 0; i < kNB / 2; ++i) kw[i] = k_scales[i];
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const float2 ks = pair(kw, j);
+      const float2 ks = pair(ks_in.w, j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[4 * j + e] *= (e & 1) ? ks.y : ks.x;
     }
