@@ -149,7 +149,8 @@ struct KScales {
   __device__ __forceinline__ void load(const char* copy, int c) {
     using L = WgLayout<HEAD_DIM>;
     if constexpr (TOKEN_SCALES) {
-      const float4* k = reinterpret_cast<const float4*>(copy + L::kCopyKScale) + c * L::kScaleRow / 4;
+      const float4* k =
+          reinterpret_cast<const float4*>(copy + L::kCopyKScale) + c * L::kScaleRow / 4;
 #pragma unroll
       for (int i = 0; i < 4; ++i) w[i] = k[i];
     }
@@ -166,7 +167,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
   using L = WgLayout<HEAD_DIM>;
   static_assert(kNB == 8, "KScales: 16 scales per lane");
   // This lane's V scales: float2 j holds columns 8 j + 2 c and + 1 (widen_tile's scale_at).
-  const float4* v_scales = reinterpret_cast<const float4*>(copy + L::kCopyVScale) + c * L::kScaleRow / 4;
+  const float4* v_scales =
+      reinterpret_cast<const float4*>(copy + L::kCopyVScale) + c * L::kScaleRow / 4;
   auto pair = [](const float4 (&w)[kNB / 2], int j) __attribute__((always_inline)) {
     return j & 1 ? make_float2(w[j / 2].z, w[j / 2].w) : make_float2(w[j / 2].x, w[j / 2].y);
   };
