@@ -122,64 +122,64 @@ __device__ __forceinline__ void widen_tile(const char* stage, char* copy) {
   }
 }
 
+constexpr float kLazyMax = 8.f;  // log2 of the largest P between rescales (softmax_tile)
+
 // The V side of the online softmax with per-token V scales: P carries each token's V scale
 // relative to the largest seen (`top`, so that P stays in [0, 1], fp16's range); the division
 // by `top` rides in the exponent as `shift` = log2(top), so the running sum l and the
 // accumulators are kept in units of 1 / top (rescaled with the maximum's correction when top
 // grows). Without token scales both stay 1 and 0.
-constexpr float kLazyMax = 8.f;  // log2 of the largest P between rescales (softmax_tile)
-
 struct VRef {
   float top = 0.f;    // the largest V scale seen (0: none positive yet)
   float shift = 0.f;  // log2(top), 0 while top is 0
 };
 
-// One tile's scores -> P (fp16 A fragments of O += P V) and the online softmax's state, in
-// base 2: per-token K scales (from the widened tile at `copy`) on the score columns, V scales
-// folded into P (VRef); the columns past a row's visible end (`visible`, from column col0)
-// masked only where some row stops inside the tile (`masked`: a branch around the masking
-// alone, so that the softmax's code exists once in the loop: two inlined copies made the
-// loops long enough to miss in the instruction cache, PERF_NOTES m13). m: the rows' maxima of
-// the scaled scores; the rows' output is O / l and their LSE m + shift + log2(l).
-// This lane's K scales of the widened tile at `copy` (float2 j: columns 8 j + 2 c and + 1,
-// widen_tile's scale_at), loaded before the scores' wait so that their latency is hidden.
-template <int HEAD_DIM, bool TOKEN_SCALES>
-struct KScales {
+// This lane's 16 K or V scales (OFFSET: kCopyKScale or kCopyVScale) of a widened tile, read as
+// four 16-byte words of its row (widen_tile's scale_at); pair(j): columns 8 j + 2 c and + 1.
+// The K scales are read before the scores' wait so that their latency is hidden.
+template <int HEAD_DIM, bool TOKEN_SCALES, int OFFSET>
+struct LaneScales {
   float4 w[TOKEN_SCALES ? 4 : 1];
   __device__ __forceinline__ void load(const char* copy, int c) {
-    using L = WgLayout<HEAD_DIM>;
     if constexpr (TOKEN_SCALES) {
-      const float4* k =
-          reinterpret_cast<const float4*>(copy + L::kCopyKScale) + c * L::kScaleRow / 4;
+      const float4* row = reinterpret_cast<const float4*>(copy + OFFSET) +
+                          c * WgLayout<HEAD_DIM>::kScaleRow / 4;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = k[i];
+      for (int i = 0; i < 4; ++i) w[i] = row[i];
     }
   }
+  __device__ __forceinline__ float2 pair(int j) const {
+    return j & 1 ? make_float2(w[j / 2].z, w[j / 2].w) : make_float2(w[j / 2].x, w[j / 2].y);
+  }
 };
+template <int HEAD_DIM, bool TOKEN_SCALES>
+using KScales = LaneScales<HEAD_DIM, TOKEN_SCALES, WgLayout<HEAD_DIM>::kCopyKScale>;
 
+// One tile's scores -> P (fp16 A fragments of O += P V) and the online softmax's state, in
+// base 2: per-token K scales (`ks`, this lane's, of the widened tile at `copy`) on the score
+// columns, V scales folded into P (VRef); the columns past a row's visible end (`visible`,
+// from column col0) masked only where some row stops inside the tile (`masked`: a branch
+// around the masking alone, so that the softmax's code exists once in the loop: two inlined
+// copies made the loops long enough to miss in the instruction cache, PERF_NOTES m13). m: the
+// rows' maxima of the scaled scores; the rows' output is O / l and their LSE
+// m + shift + log2(l).
 template <int HEAD_DIM, bool TOKEN_SCALES, int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
                                              float (&m)[2], float (&l)[2], VRef& vr,
                                              float (&corr)[2], const float (&row_const)[2],
-                                             const KScales<HEAD_DIM, TOKEN_SCALES>& ks_in,
+                                             const KScales<HEAD_DIM, TOKEN_SCALES>& ks,
                                              const char* copy, bool masked, int col0,
                                              const int (&visible)[2], int c) {
   using L = WgLayout<HEAD_DIM>;
-  static_assert(kNB == 8, "KScales: 16 scales per lane");
-  // This lane's V scales: float2 j holds columns 8 j + 2 c and + 1 (widen_tile's scale_at).
-  const float4* v_scales =
-      reinterpret_cast<const float4*>(copy + L::kCopyVScale) + c * L::kScaleRow / 4;
-  auto pair = [](const float4 (&w)[kNB / 2], int j) __attribute__((always_inline)) {
-    return j & 1 ? make_float2(w[j / 2].z, w[j / 2].w) : make_float2(w[j / 2].x, w[j / 2].y);
-  };
+  static_assert(kNB == 8, "LaneScales: 16 scales per lane");
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
   // one FFMA per score applies the row's scale and subtracts its maximum.
   if constexpr (TOKEN_SCALES) {
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const float2 ks = pair(ks_in.w, j);
+      const float2 k = ks.pair(j);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[4 * j + e] *= (e & 1) ? ks.y : ks.x;
+      for (int e = 0; e < 4; ++e) s[4 * j + e] *= (e & 1) ? k.y : k.x;
     }
   }
   if (masked) {
@@ -192,11 +192,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
   float2 vs[kNB];
   const float shift_before = vr.shift;
   if constexpr (TOKEN_SCALES) {
-    float4 vw[kNB / 2];
+    LaneScales<HEAD_DIM, TOKEN_SCALES, L::kCopyVScale> v;
+    v.load(copy, c);
 #pragma unroll
-    for (int i = 0; i < kNB / 2; ++i) vw[i] = v_scales[i];
-#pragma unroll
-    for (int j = 0; j < kNB; ++j) vs[j] = pair(vw, j);
+    for (int j = 0; j < kNB; ++j) vs[j] = v.pair(j);
     const float2 tile_top = *reinterpret_cast<const float2*>(copy + L::kCopyVMax);
     const float top = fmaxf(vr.top, fmaxf(tile_top.x, tile_top.y));
     if (top != vr.top) {  // uniform over the warp (the tile's largest, from shared memory)

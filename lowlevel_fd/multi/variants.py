@@ -18,6 +18,7 @@ STAGES = 3          # kMultiStages in multi.cu
 WG_ROWS = (128, 64)  # the warpgroup kernels' query rows per CTA (multi_wg.cu, multi_wg64.cu)
 WG_HEAD_DIMS = (64, 128)
 WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
+WG_SCALE_ROW = 20  # floats per lane's row of scales in a widened tile (WgLayout::kScaleRow)
 
 
 def tile_tokens(head_dim: int, ksplit: int = 1, wgmma: bool = False) -> int:
@@ -119,7 +120,7 @@ class MultiVariant:
         tile), and 1 KB to align them."""
         if self.wgmma:
             rows = self.tile_tokens
-            scales = 2 * 4 * 20 * 4 + 8
+            scales = 2 * 4 * WG_SCALE_ROW * 4 + 8  # K and V: 4 lanes' rows of fp32; 2 maxima
             copy = -(-(2 * rows * self.head_dim * 2 + scales) // 1024) * 1024
             if self.wg_rows == 64:
                 return 2 * self.stage_bytes + 2 * copy + 1024
