@@ -168,6 +168,14 @@ def test_wgmma_variants_build_for_hopper_only():
         MultiVariant(128, ksplit=2, wgmma=True)
 
 
+@pytest.mark.parametrize("value", [1, None, "yes"])
+def test_early_reads_must_be_a_bool(value):
+    plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=DEVICE)
+    with pytest.raises(TypeError, match=r"^early_reads: expected a bool, got "):
+        plan.run(*[None] * 8, early_reads=value, stream=0)
+    plan.close()
+
+
 def test_run_needs_a_plan_and_an_open_plan():
     plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=DEVICE)
     with pytest.raises(RuntimeError, match=r"^run: call plan\(qo_indptr, seq_lens\) first$"):

@@ -112,6 +112,67 @@ def test_speculative_shapes_split_the_kv_and_merge(rng, stream, qo_len, causal, 
     assert relative_error(results[0], results[1]) < 2e-3
 
 
+@pytest.mark.parametrize("layout, page_size", [("bnsh", None), ("hnd", 16), ("nhd", 1)])
+def test_early_reads_change_no_bit(rng, stream, layout, page_size):
+    """run(early_reads=True), eager and in a graph, against the waiting run: the same bits.
+    Splits whose first tiles reach the chunk (short sequences) prime after the wait, the
+    others before it; a zero-length chunk flags nothing."""
+    case = MultiCase([4, 4, 1, 8, 0], [4099, 777, 4096, 2048, 5], 32, 8, 128, layout,
+                     page_size).fill(rng)
+    d = case.upload(rng)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        results = []
+        for early in (False, True):
+            case.run(plan, stream, early_reads=early)
+            stream.synchronize()
+            check(case)
+            results.append(d["out"].numpy().tobytes() + d["lse"].numpy().tobytes())
+        with capture(stream) as graph:
+            case.run(plan, stream, early_reads=True)
+        d["out"].fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        graph.close()
+        results.append(d["out"].numpy().tobytes() + d["lse"].numpy().tobytes())
+        assert results[0] == results[1] == results[2]
+        assert plan.error_flags(stream=stream) == 0
+
+
+def test_early_reads_see_the_chunk_written_just_before(rng, stream):
+    """The step's append (PromptQuantizer writing each chunk at its start) right before
+    run(early_reads=True) on the stream: the chunk's rows held garbage until then and are
+    read after it; the result matches the oracle over the cache as written."""
+    from lowlevel_fd import PromptQuantizer
+    qo, kv = [4, 8, 4], [4096, 1500, 70]
+    B, HQ, HKV, D = len(qo), 32, 8, 128
+    case = MultiCase(qo, kv, HQ, HKV, D).fill(rng)
+    d = case.upload(rng)
+    chunk_k = rng.standard_normal((B, max(qo), HKV, D)).astype(np.float16)
+    chunk_v = rng.standard_normal((B, max(qo), HKV, D)).astype(np.float16)
+    quantizer = PromptQuantizer.create(HKV, D, max_batch=B)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens)
+        d["out"].fill(np.nan, stream)
+        d["lse"].fill(np.nan, stream)
+        quantizer.run(DeviceArray.from_numpy(chunk_k), DeviceArray.from_numpy(chunk_v),
+                      d["k_cache"], d["v_cache"], d["k_scale"], d["v_scale"],
+                      DeviceArray.from_numpy(np.asarray(qo, np.int32)),
+                      starts=DeviceArray.from_numpy(np.subtract(kv, qo).astype(np.int32)),
+                      stream=stream)
+        plan.run(d["q"], d["k_cache"], d["v_cache"], d["k_scale"], d["v_scale"],
+                 d["seq_lens"], d["qo_indptr"], d["out"], lse=d["lse"], early_reads=True,
+                 stream=stream)
+        stream.synchronize()
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            written = d[name].numpy()
+            assert not np.array_equal(written, case.host[name]), name  # the chunk changed
+            case.host[name] = written
+        check(case)
+        assert plan.error_flags(stream=stream) == 0
+    quantizer.close()
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("wg_rows", WG_ROWS)
 def test_wgmma_splits_merge(rng, stream, causal, wg_rows):

@@ -135,6 +135,9 @@ quantize_prompt(const __grid_constant__ AppendParams p) {
   const int b = blockIdx.y, t0 = blockIdx.x * kPromptTokens;
   const int lane = threadIdx.x % R::kLanes, slot = threadIdx.x / R::kLanes;
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;  // one report per sequence
+  // A programmatic successor (MultiPlan.run(early_reads=True)) may launch now and read the
+  // cache before each chunk while this kernel writes the chunks; it waits for the rest.
+  allow_next_grid();
 
   int len = p.seq_lens[b];
   if (len < 0 || len > p.prompt_tokens) {  // never read outside the prompt

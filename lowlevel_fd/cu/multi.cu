@@ -57,8 +57,21 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int wr = warp % kGroups, wk = warp / kGroups;  // row group, share of the KV tile
 
-  const CtaWork<kCtaRows, T::kRows> work(p);
-  if (work.idle) return;
+  // Programmatic launch (sm_90; a no-op otherwise): what the previous kernel on the stream
+  // wrote is visible past wait_for_previous_grid. With p.early_reads the lengths, qo_indptr,
+  // the table and a split's first tiles when they lie before its chunk (the previous kernel,
+  // an append, writes the chunk's rows) are read first, so those tiles stream during that
+  // kernel's tail (PERF_NOTES m17).
+  const bool early = p.early_reads != 0;
+  if (!early) wait_for_previous_grid();
+  const CtaWork<kCtaRows, T::kRows> work(p, early);
+  if (work.idle) {
+    if (early) {
+      wait_for_previous_grid();
+      work.flag(p);
+    }
+    return;
+  }
   const SequenceRows& sr = work.sr;
   const int kvh = work.kvh, tile = work.tile, split = work.split, b = work.b;
   const int row0 = work.row0, tile_rows = work.tile_rows, active = work.active;
@@ -85,7 +98,13 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
 
   TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED, 128, !PAGED> loader(b, kvh);
   const uint32_t smem_base = shared_address(smem);
-  loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
+  const bool prime_early = early && min(end, start + (kMultiStages - 1) * T::kRows) <= sr.prefix;
+  if (prime_early) loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
+  if (early) {
+    wait_for_previous_grid();
+    work.flag(p);
+  }
+  if (!prime_early) loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
 
   // Q fragments live in shared memory (16 bytes per lane, m-block and 16-dim chunk, read
   // conflict-free by the lane that wrote them): in registers, next to the accumulators of two
@@ -301,6 +320,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
     for (; t0 < end; t0 += T::kRows) tile_step(TreeTag<true>{}, t0);
   }
   cp_async_wait<0>();
+  allow_next_grid();  // the next kernel's launch overlaps the merges below
   if constexpr (PAGED)
     if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
 

@@ -49,6 +49,10 @@ struct MultiParams {
   // are; bits past tree_words words count as 0.
   const uint32_t* tree_mask;
   int32_t tree_words;
+  // 1 (a programmatic launch, multi.cu): the lengths, qo_indptr, the block table and each
+  // split's first tiles when they lie before its chunk are read before the previous kernel
+  // on the stream has finished; q, the rest of the cache and every write wait for it.
+  int32_t early_reads;
 };
 
 static_assert(sizeof(MultiParams) == 280, "keep in sync with lowlevel_fd/multi/params.py");
@@ -61,6 +65,7 @@ static_assert(sizeof(MultiParams) == 280, "keep in sync with lowlevel_fd/multi/p
 struct SequenceRows {
   int q0, qo_len, prefix, len;  // first query row, chunk tokens, tokens before the chunk, KV
   int rows;                     // qo_len * group (rows of this KV head)
+  uint32_t flags = 0;           // the error bits these values raise
 
   // cta_rows: the kernel's rows per CTA (the plan's tiles cover cta_rows * max_tiles rows).
   __device__ __forceinline__ SequenceRows(const MultiParams& p, int b, int cta_rows,
@@ -68,7 +73,6 @@ struct SequenceRows {
     q0 = p.qo_indptr[b];
     const int q1 = p.qo_indptr[b + 1];
     len = p.seq_lens[b];
-    uint32_t flags = 0;
     if (len < 0 || len > p.capacity) {
       flags |= kErrorOutsideCache;
       len = len < 0 ? 0 : p.capacity;
@@ -103,7 +107,9 @@ __device__ __forceinline__ void tile_splits(const MultiParams& p, int kv_end, in
 
 // What a CTA of CTA_ROWS query rows works on: its KV head, row tile (the longest first),
 // split and sequence, and its KV range [start, end) cut in tiles of TOKENS. `idle`: nothing
-// (a tile past the sequence's rows, a split past its range): the CTA returns.
+// (a tile past the sequence's rows, a split past its range): the CTA returns. One CTA per
+// sequence raises its error bits, at once or (`defer_flags`: before the programmatic wait,
+// when writes may not happen yet) in flag().
 template <int CTA_ROWS, int TOKENS>
 struct CtaWork {
   int kvh, tile, split, b;
@@ -111,12 +117,12 @@ struct CtaWork {
   int row0, tile_rows = 0, chunk = 0, active = 0, start = 0, end = 0;
   bool idle;
 
-  __device__ __forceinline__ explicit CtaWork(const MultiParams& p)
+  __device__ __forceinline__ explicit CtaWork(const MultiParams& p, bool defer_flags = false)
       : kvh(blockIdx.x % p.num_kv_heads),
         tile(p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads),
         split(blockIdx.y),
         b(blockIdx.z),
-        sr(p, b, CTA_ROWS, tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0),
+        sr(p, b, CTA_ROWS, !defer_flags && flagger()),
         row0(tile * CTA_ROWS) {
     idle = row0 >= sr.rows;
     if (idle) return;
@@ -128,6 +134,13 @@ struct CtaWork {
     end = min(kv_end, start + chunk);
   }
   __device__ __forceinline__ int tiles() const { return (end - start + TOKENS - 1) / TOKENS; }
+  __device__ __forceinline__ bool flagger() const {
+    return tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0;
+  }
+  // The deferred error bits (constructed with defer_flags).
+  __device__ __forceinline__ void flag(const MultiParams& p) const {
+    if (flagger() && sr.flags) atomicOr(p.error_flags, sr.flags);
+  }
 };
 
 }  // namespace llfd

@@ -21,7 +21,8 @@ class MultiParams(ctypes.Structure):
                 + [(name, ctypes.c_int32) for name in _INTS]
                 + [("rope_theta", ctypes.c_float), ("key_transform", ctypes.c_int32)]
                 + PAGE_FIELDS
-                + [("tree_mask", ctypes.c_uint64), ("tree_words", ctypes.c_int32)])
+                + [("tree_mask", ctypes.c_uint64), ("tree_words", ctypes.c_int32),
+                   ("early_reads", ctypes.c_int32)])
 
 
 assert ctypes.sizeof(MultiParams) == 280, "must match sizeof(llfd::MultiParams)"

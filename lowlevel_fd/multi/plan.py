@@ -150,7 +150,11 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
-        self._launch = kernel.prepare(LaunchConfig(self._grid, threads, shared), p)
+        # The mma.sync kernel waits for the previous kernel itself (early_reads, run): on sm_90
+        # it launches programmatically, its launch overlapping that kernel's tail.
+        programmatic = not use_wgmma and self.device.compute_capability >= (9, 0)
+        self._launch = kernel.prepare(
+            LaunchConfig(self._grid, threads, shared, programmatic=programmatic), p)
         self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree)
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
@@ -162,6 +166,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
             "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,
             "ctas_per_sm": ctas_per_sm, "kernel": self.variant.kernel,
+            "programmatic": programmatic,
         }
         return self
 
@@ -214,7 +219,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
             block_table: Any = None, rotate_q: bool = False, cos_sin: Any = None,
-            tree_mask: Any = None, stream: StreamLike) -> None:
+            tree_mask: Any = None, early_reads: bool = False, stream: StreamLike) -> None:
         """out[i, h] = softmax(sm_scale * q[i, h] K^T) V over the tokens query row i sees.
 
         q, out: ``[total_q, Hq, D]`` fp16/bf16 (out may be q itself); caches and scales as
@@ -231,10 +236,20 @@ class MultiPlan(OnCache, CreatedFromOptions):
         interval is not monotone, passes total_q or is longer than its KV writes nothing;
         rows past the planned row tiles are not written. A length outside the cache is
         clamped (ERROR_OUTSIDE_CACHE). Enqueued on ``stream``; returns at once.
+
+        ``early_reads`` (where the launch is programmatic: Hopper, the mma.sync kernel; see
+        ``describe()["programmatic"]``): ``seq_lens``, ``qo_indptr``, the block table and the
+        cache rows and scales before each sequence's chunk (positions < seq_len - qo_len) may
+        be read while the kernel before it on the stream is still finishing, so the first
+        tiles stream during its tail. q, ``cos_sin``, the tree mask, the chunk's rows and every
+        write wait for it. Pass True only when that kernel writes none of those buffers (it may
+        write the chunk's rows: the append of this step).
         """
+        check.flag("early_reads", early_reads)
         self._require_planned()
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
                           qo_indptr, out, lse, block_table, cos_sin, rotate_q, tree_mask)
+        self._params.early_reads = int(early_reads)
         if self._binder.total_q:
             self._launch.launch(stream)  # type: ignore[union-attr]
 

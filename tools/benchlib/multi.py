@@ -103,13 +103,17 @@ def format_tables(rows: list[dict], bandwidth_gbps: float) -> str:
         body = []
         for r in verify:
             o, d = r["ours"], r["decode"]
+            w = r.get("ours_waits")
             body.append([f"B={r['batch']} q={r['qo_len']} S={r['kv_len']}", str(r["layers"]),
                          f"{r['kv_bytes_per_layer'] / MIB:.1f}", _us(o), f"{o['gbps']:.0f}",
                          f"{o['pct_of_bw']:.1f}", _us(d), f"{d['gbps']:.0f}",
-                         f"{d['pct_of_bw']:.1f}", f"{r['ratio_to_decode']:.2f}"])
+                         f"{d['pct_of_bw']:.1f}", f"{r['ratio_to_decode']:.2f}",
+                         f"{w['median_us']:.1f}" if w else "-",
+                         f"{r['ratio_to_decode_waits']:.2f}" if w else "-"])
         out += ([""] if out else []) + _table(
             f"verification: us per layer, L distinct caches per graph replay; GB/s over the "
-            f"KV bytes (K, V, scales); %BW of the read reference {bandwidth_gbps:.0f} GB/s",
+            f"KV bytes (K, V, scales); %BW of the read reference {bandwidth_gbps:.0f} GB/s; "
+            f"ours with early reads, and waiting for the previous kernel (waits)",
             ["row", "L", "KV MiB", "ours us [p20, p80]", "GB/s", "%BW",
-             "decode us [p20, p80]", "GB/s", "%BW", "ratio"], body)
+             "decode us [p20, p80]", "GB/s", "%BW", "ratio", "waits us", "ratio"], body)
     return "\n".join(out)
