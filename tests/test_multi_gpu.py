@@ -210,6 +210,25 @@ def test_long_prefill_rows_match_the_oracle(rng, stream):
     assert err <= TOLERANCE["float16"], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_65536_query_rows(rng, stream, kernel):
+    """total_q = 65536: four fresh 16384-token prefills in one launch; sampled rows, including
+    each sequence's first and last and the launch's last, against the oracle."""
+    case = MultiCase([16384] * 4, [16384] * 4, 8, 2, 64).fill(rng)
+    case.upload(rng)
+    with case.make_plan() as plan:
+        plan.plan(case.indptr, case.kv_lens, **kernel)
+        case.run(plan, stream)
+        stream.synchronize()
+        assert plan.error_flags(stream=stream) == 0
+    assert case.total_q == 65536
+    edges = [b * 16384 + i for b in range(4) for i in (0, 16383)]
+    rows = np.unique(np.concatenate([edges, rng.integers(0, case.total_q, 24)]))
+    out = case.device["out"].numpy()[rows]
+    err = relative_error(out, case.row_reference(rows))
+    assert err <= TOLERANCE["float16"], f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("rope", ["neox", "gptj"])
 @pytest.mark.parametrize("table", [False, True])
 @pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
