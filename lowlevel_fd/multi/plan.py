@@ -243,7 +243,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
         be read while the kernel before it on the stream is still finishing, so the first
         tiles stream during its tail. q, ``cos_sin``, the tree mask, the chunk's rows and every
         write wait for it. Pass True only when that kernel writes none of those buffers (it may
-        write the chunk's rows: the append of this step).
+        write the chunk's rows: the layer's PromptQuantizer.run(starts=), without seq_lens_out
+        into these seq_lens).
         """
         check.flag("early_reads", early_reads)
         self._require_planned()
