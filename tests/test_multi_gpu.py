@@ -194,6 +194,34 @@ def test_wgmma_splits_merge(rng, stream, causal, wg_rows):
     assert relative_error(results[0], results[1]) < 2e-3
 
 
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, qo_lens", [
+    (64, 1, [1] * 6), (32, 1, [1] * 6), (48, 1, [1, 1, 0, 1, 1, 1]), (32, 2, [2] * 6),
+    (32, 1, [1, 3, 1, 1, 2, 1])])
+@pytest.mark.parametrize("causal", [True, False])
+def test_wgmma_row_tiles_of_64_rows_share_the_kv(rng, stream, num_q_heads, num_kv_heads,
+                                                 qo_lens, causal):
+    """Row tiles of at most 64 rows in the 128-row kernel (multi-query decode, drafts): both
+    computing warpgroups take the same rows over alternate KV tiles and merge. KV of one tile,
+    two, an odd and an even count, a partial last tile; mixed with tiles of more than 64 rows
+    (3 x 32); split and unsplit against the oracle and each other."""
+    if len(wgmma_choices()) == 1:
+        pytest.skip("the warpgroup-MMA kernels need an sm_90 GPU")
+    case = MultiCase(qo_lens, [3, 64, 65, 191, 4096, 1000], num_q_heads, num_kv_heads,
+                     128).fill(rng)
+    case.upload(rng)
+    results = []
+    for splits in (None, 3, 1):
+        with case.make_plan() as plan:
+            plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits,
+                      wgmma=True, wg_rows=128)
+            case.run(plan, stream)
+            stream.synchronize()
+            check(case, causal=causal)
+            assert plan.error_flags(stream=stream) == 0
+            results.append(case.device["out"].numpy().astype(np.float64))
+    assert relative_error(results[1], results[2]) < 2e-3
+
+
 def test_long_prefill_rows_match_the_oracle(rng, stream):
     """qo_len 16384 (B=1, fresh prefill) and a 2048-token chunk over a 6000-token prefix:
     sampled rows, including the first and last of each sequence, against the oracle."""
