@@ -17,10 +17,11 @@
 // with copy c). Each computing warpgroup issues S(j + 1) and P(j) V(j) together and runs the
 // softmax of S(j + 1) while P(j) V(j) is on the tensor cores; the two take turns to issue
 // (two more named barriers: FA3's ping-pong), so one's softmax overlaps the other's products.
-// A CTA whose row tile has at most 64 rows (decode of a multi-query group, a chunk's last
-// tile) would leave warpgroup 2 idle: there both computing warpgroups take the same 64 rows
-// and alternate KV tiles ("halves": warpgroup w the tiles w, w + 2, ...), and merge their two
-// online softmaxes through shared memory at the end.
+// A CTA whose row tile has at most 64 rows (decode of a multi-query group, drafts, a chunk's
+// last tile) would leave warpgroup 2 idle: there ("halves") both computing warpgroups take the
+// same 64 rows and alternate KV tiles (tile j is warpgroup j % 2's: the loader hands it to that
+// one alone, which alone releases it), one tile at a time without turns, and merge their two
+// online softmaxes through shared memory at the end (merge_halves).
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_rows.cuh"
 
@@ -48,7 +49,8 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 // setmaxnreg: below the 168 registers a thread of a 384-thread CTA starts with, give back;
-// above, take (72 + 2 x 216 = 3 x 168: the pool holds both).
+// above, take (80 + 2 x 208 <= 3 x 168: the pool holds them; the
+// loader's 80 hold the halves mode's branches without spilling).
 template <int N>
 __device__ __forceinline__ void set_max_registers() {
   if constexpr (N < 168)
@@ -87,46 +89,57 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     return L::kCopy0 + j % kCopies * L::kCopyBytes;
   };
 
+  // A row tile of at most 64 rows: both computing warpgroups on the same rows, alternate KV
+  // tiles (halves; CTA-uniform). Each role's code exists once per mode (a run-time mode in one
+  // copy made ptxas spill in the loader).
+  const bool halves_cta = sr.rows - row0 <= 64;
   if (wg == 0) {
     // ---- loading warpgroup: tile j landed -> tile j + kStages - 1 issued into the stage of
     // tile j - 1 -> copy slot of tile j free (tile j - kCopies retired) -> tile j widened ----
-    set_max_registers<72>();
-    // The stage's reads batched where the loader's 72 registers hold them (not with page ids
-    // or fp16 scales' selectors: those spilled).
-    constexpr bool kReadFirst = !PAGED && sizeof(ScaleT) == 4;
-    TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kLoadThreads, !PAGED>
-        loader(b, kvh);
-    loader.prime<kStages>(p, base, L::kStageBytes, start, end);
+    set_max_registers<80>();
+    {
+      const bool halves = halves_cta;
+      // The stage's reads batched where the loader's 80 registers hold them (not with page ids
+      // or fp16 scales' selectors: those spilled).
+      constexpr bool kReadFirst = !PAGED && sizeof(ScaleT) == 4;
+      TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kLoadThreads, !PAGED>
+          loader(b, kvh);
+      loader.prime<kStages>(p, base, L::kStageBytes, start, end);
 #pragma unroll 1
-    for (int j = 0; j < tiles; ++j) {
-      const int st = j % kStages;
-      cp_async_wait<kStages - 2>();
-      loader.widen(smem + st * L::kStageBytes, st);
-      named_sync(B::kLoad, L::kLoadThreads);  // tile j visible; tile j - 1's stage read
-      const int t_issue = start + (j + kStages - 1) * L::kTokens;
-      const int issue_stage = (j + kStages - 1) % kStages;
-      if (t_issue < end) {
-        loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
-        loader.fetch(p, t_issue + L::kTokens, end);
+      for (int j = 0; j < tiles; ++j) {
+        const int st = j % kStages;
+        cp_async_wait<kStages - 2>();
+        loader.widen(smem + st * L::kStageBytes, st);
+        named_sync(B::kLoad, L::kLoadThreads);  // tile j visible; tile j - 1's stage read
+        const int t_issue = start + (j + kStages - 1) * L::kTokens;
+        const int issue_stage = (j + kStages - 1) % kStages;
+        if (t_issue < end) {
+          loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
+          loader.fetch(p, t_issue + L::kTokens, end);
+        }
+        cp_async_commit();
+        // EMPTY(c): the loader and every warpgroup that reads copy c (in halves, its owner).
+        if (j >= kCopies) {
+          if (halves)
+            named_sync(B::empty(j % kCopies), 256);
+          else
+            named_sync(B::empty(j % kCopies), L::kThreads);
+        }
+        widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales, kReadFirst>(smem + st * L::kStageBytes,
+                                                                   smem + copy_offset(j));
+        fence_proxy_async();
+        if (!halves || j % 2 == 0) named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
+        if (!halves || j % 2 == 1) named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
       }
-      cp_async_commit();
-      if (j >= kCopies) named_sync(B::empty(j % kCopies), L::kThreads);
-      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales, kReadFirst>(smem + st * L::kStageBytes,
-                                                                 smem + copy_offset(j));
-      fence_proxy_async();
-      named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
-      named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
+      cp_async_wait<0>();
+      if constexpr (PAGED)
+        if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
     }
-    cp_async_wait<0>();
-    if constexpr (PAGED)
-      if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
     return;
   }
 
   // ---- computing warpgroups ----
-  set_max_registers<216>();
-  // Two copies of the computing code, one per way of sharing the work (a run-time choice in
-  // one copy made ptxas spill in the loader).
+  set_max_registers<208>();
   static_assert((kOut + 4) * 128 * 4 <= kStages * L::kStageBytes, "merge_halves' exchange");
   auto compute = [&](auto mode) __attribute__((always_inline)) {
     constexpr bool halves = decltype(mode)::value;
@@ -154,7 +167,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       named_sync(B::full(j % kCopies, cw), L::kLoadThreads + 128);
     };
     auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done with it
-      if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), L::kThreads);
+      if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), halves ? 256 : L::kThreads);
     };
     auto copy_address = [&](int j) __attribute__((always_inline)) {
       return base + copy_offset(j);
@@ -182,14 +195,10 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
 
     if constexpr (halves) {
       // Each warpgroup its own tiles, one at a time: S, the softmax, P V (each warpgroup holds
-      // one copy, so the three copies let the two overlap; no turns). The loader hands every
-      // tile to both: the other's tiles are acquired and released at once.
+      // one copy, so the three copies let the two overlap; no turns). The loader hands tile j
+      // to warpgroup j % 2 alone.
 #pragma unroll 1
       for (int j = cw; j < tiles; j += 2) {
-        if (j >= 1) {
-          acquire(j - 1);
-          release(j - 1);
-        }
         acquire(j);
         if (computes(j)) {
           wgmma_fence();
@@ -206,7 +215,6 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
         }
         release(j);
       }
-      if (tiles > 0 && (tiles - 1) % 2 != cw) acquire(tiles - 1);  // the other's last tile
       merge_halves<kOut>(o, m, l, vr.shift, reinterpret_cast<float*>(smem), cw);
     } else {
       // Ping-pong: the warpgroups take turns to issue their products (turn(w): warpgroup w's),
@@ -283,8 +291,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     merge_if_last<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, slot, active,
                                                       reinterpret_cast<float*>(smem), is_last);
   };
-  // The row tile fits one warpgroup: halves (CTA-uniform).
-  if (sr.rows - row0 <= 64)
+  if (halves_cta)
     compute(Constant<true>{});
   else
     compute(Constant<false>{});
