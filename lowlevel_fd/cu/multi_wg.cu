@@ -35,12 +35,14 @@ struct Constant {
 // Named barriers (0 is __syncthreads'; 1 the computing warpgroups' merge, MergeTeam).
 template <int COPIES>
 struct WgBarriers {
-  static_assert(3 * COPIES + 5 <= 16, "16 named barriers: FULL, EMPTY and the two turns");
+  static_assert(3 * COPIES + 6 <= 16, "16 named barriers: FULL, EMPTY, the turns, DONE");
   static constexpr int kLoad = 2;  // the loading warpgroup alone
   __device__ static __forceinline__ int full(int copy, int wg) { return 3 + 2 * copy + wg; }
   __device__ static __forceinline__ int empty(int copy) { return 3 + 2 * COPIES + copy; }
   // The computing warpgroups' turns on the tensor cores (3 copies leave room for them).
   __device__ static __forceinline__ int turn(int wg) { return 3 + 3 * COPIES + wg; }
+  // Halves: the loader has read its last stage (the computing warpgroups reuse the stages).
+  static constexpr int kDone = 3 + 3 * COPIES + 2;
 };
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -132,6 +134,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
         if (!halves || j % 2 == 1) named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
       }
       cp_async_wait<0>();
+      if (halves) named_arrive(B::kDone, L::kThreads);
       if constexpr (PAGED)
         if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
     }
@@ -215,6 +218,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
         }
         release(j);
       }
+      named_sync(B::kDone, L::kThreads);  // the stages are free: merge_halves' exchange
       merge_halves<kOut>(o, m, l, vr.shift, reinterpret_cast<float*>(smem), cw);
     } else {
       // Ping-pong: the warpgroups take turns to issue their products (turn(w): warpgroup w's),

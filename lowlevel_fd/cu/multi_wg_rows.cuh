@@ -90,10 +90,9 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
 
 // multi_wg.cu's halves: both computing warpgroups ran the same 64 rows over alternate KV
 // tiles (same thread -> row mapping); warpgroup 2 leaves its accumulators and softmax state in
-// `xchg` (shared memory the loader no longer uses: every tile was widened before the last
-// acquire) and warpgroup 1 folds them into its own, rescaled to the larger of the two offsets
-// (m + shift, softmax_tile's units); `shift` comes back 0. A row one warpgroup never saw
-// (m = -inf) adds nothing.
+// `xchg` (the int8 stages, free after the loader's DONE barrier) and warpgroup 1 folds them
+// into its own, rescaled to the larger of the two offsets (m + shift, softmax_tile's units);
+// `shift` comes back 0. A row one warpgroup never saw (m = -inf) adds nothing.
 template <int N>
 __device__ __forceinline__ void merge_halves(float (&o)[N], float (&m)[2], float (&l)[2],
                                              float& shift, float* xchg, int cw) {
