@@ -1,7 +1,6 @@
 // Multi-token attention over the INT8 cache on Hopper's warpgroup MMA (wgmma, sm_90a): the
 // kernel for prefill, long chunks and more than 32 query rows per KV head at head_dim 64 and
-// 128 (multi_wg64.cu takes 33-64 where the row tiles fill two of its CTAs per SM, multi.cu
-// the rest; planner.choose_wg_rows).
+// 128 (multi.cu the rest, multi_wg64.cu where wg_rows=64 asks; planner.choose_wg_rows).
 //
 // A CTA is three warpgroups over one KV head, warp-specialized (FA3's division of labour):
 //  * warpgroup 0 loads: K/V tiles of 64 tokens through the same cp.async stages as multi.cu

@@ -97,8 +97,7 @@ template <int N>
 __device__ __forceinline__ void merge_halves(float (&o)[N], float (&m)[2], float (&l)[2],
                                              float& shift, float* xchg, int cw) {
   const int t = static_cast<int>(threadIdx.x) % 128;
-  asm volatile("bar.sync 1, 256;" ::: "memory");  // both loops done
-  if (cw == 1) {
+  if (cw == 1) {  // both loops are done (the DONE barrier)
 #pragma unroll
     for (int i = 0; i < N; ++i) xchg[i * 128 + t] = o[i];
 #pragma unroll
