@@ -119,36 +119,37 @@ def test_wgmma_needs_hopper_and_head_dim_64_or_128(arch, head_dim):
 MMA = (False, 128)
 
 
-@pytest.mark.parametrize("arch, head_dim, rows, tree, ksplit, expected", [
-    ("sm_90", 128, 400, False, None, (True, 128)),
-    ("sm_90", 64, 400, False, None, (True, 128)),
-    ("sm_90a", 128, 400, False, None, (True, 128)),
-    ("sm_90", 128, 65, False, None, (True, 128)),  # more than a 64-row CTA holds
-    ("sm_90", 128, 64, False, None, (True, 128)),  # multi-query: the KV split in the CTA
-    ("sm_90", 128, 33, False, None, (True, 128)),  # 16 drafts at group 4 (64 rows) and less
-    ("sm_90", 128, 32, False, None, MMA),          # drafts of 32 rows: split warps
-    ("sm_90", 128, 16, False, None, MMA),
-    ("sm_90", 128, 400, False, 2, MMA),            # split warps asked for
-    ("sm_90", 128, 400, True, None, MMA),          # tree masks: split warps
-    ("sm_90", 256, 400, False, None, MMA), ("sm_80", 128, 400, False, None, MMA),
-    ("sm_100", 128, 400, False, None, MMA),
+@pytest.mark.parametrize("arch, head_dim, rows, tiles, tree, ksplit, expected", [
+    ("sm_90", 128, 400, 8, False, None, (True, 128)),
+    ("sm_90", 64, 400, 8, False, None, (True, 128)),
+    ("sm_90a", 128, 400, 8, False, None, (True, 128)),
+    ("sm_90", 128, 65, 512, False, None, (True, 128)),  # more than a 64-row CTA holds
+    ("sm_90", 128, 64, 128, False, None, (True, 128)),  # multi-query, B=128: 128-row CTAs
+    ("sm_90", 128, 33, 263, False, None, (True, 128)),
+    ("sm_90", 128, 64, 264, False, None, (True, 64)),   # two 64-row CTAs per SM (132 SMs)
+    ("sm_90", 128, 33, 512, False, None, (True, 64)),   # 16 drafts, B=64
+    ("sm_90", 128, 32, 8, False, None, MMA),            # drafts of 32 rows: split warps
+    ("sm_90", 128, 16, 512, False, None, MMA),
+    ("sm_90", 128, 400, 8, False, 2, MMA),              # split warps asked for
+    ("sm_90", 128, 400, 8, True, None, MMA),            # tree masks: split warps
+    ("sm_90", 256, 400, 8, False, None, MMA), ("sm_80", 128, 400, 8, False, None, MMA),
+    ("sm_100", 128, 400, 8, False, None, MMA),
 ])
-def test_the_planner_picks_wgmma_for_whole_tiles_on_hopper(arch, head_dim, rows, tree, ksplit,
-                                                          expected):
-    """planner.choose_wg_rows: split warps up to 32 rows per KV head, then the 128-row CTA
-    (at 33-64 rows its two computing warpgroups split the KV), whatever the row tiles."""
+def test_the_planner_picks_wgmma_for_whole_tiles_on_hopper(arch, head_dim, rows, tiles, tree,
+                                                          ksplit, expected):
+    """planner.choose_wg_rows: split warps up to 32 rows per KV head, then the 128-row CTA,
+    but 64-row CTAs where 33-64 rows come in row tiles for two per SM."""
     plan = MultiPlan.create(32, 8, head_dim, max_batch=2, max_seq_len=64,
                             device=device_of(arch))
-    assert plan._wgmma_choice(None, None, ksplit, tree, rows) == expected
+    assert plan._wgmma_choice(None, None, ksplit, tree, rows, tiles) == expected
 
 
 @pytest.mark.parametrize("wgmma, wg_rows, rows, expected", [
-    (True, None, 64, (True, 128)), (True, None, 65, (True, 128)), (True, None, 16, (True, 128)),
-    (None, 128, 16, (True, 128)), (True, 64, 4000, (True, 64)), (None, 64, 16, (True, 64)),
-    (False, None, 4000, MMA),
+    (True, None, 64, (True, 64)), (True, None, 65, (True, 128)), (True, None, 16, (True, 64)),
+    (None, 128, 16, (True, 128)), (True, 64, 4000, (True, 64)), (False, None, 4000, MMA),
 ])
 def test_forced_warpgroup_kernels(wgmma, wg_rows, rows, expected):
-    """wgmma=True picks the 128-row CTA; wg_rows picks one."""
+    """wgmma=True picks the smaller CTA that holds a sequence's rows; wg_rows picks one."""
     plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=device_of("sm_90"))
     assert plan._wgmma_choice(wgmma, wg_rows, None, False, rows) == expected
 

@@ -198,12 +198,12 @@ def test_wgmma_splits_merge(rng, stream, causal, wg_rows):
     (64, 1, [1] * 6), (32, 1, [1] * 6), (48, 1, [1, 1, 0, 1, 1, 1]), (32, 2, [2] * 6),
     (32, 1, [1, 3, 1, 1, 2, 1])])
 @pytest.mark.parametrize("causal", [True, False])
-def test_wgmma_row_tiles_of_64_rows_share_the_kv(rng, stream, num_q_heads, num_kv_heads,
-                                                 qo_lens, causal):
-    """Row tiles of at most 64 rows in the 128-row kernel (multi-query decode, drafts): both
-    computing warpgroups take the same rows over alternate KV tiles and merge. KV of one tile,
-    two, an odd and an even count, a partial last tile; mixed with tiles of more than 64 rows
-    (3 x 32); split and unsplit against the oracle and each other."""
+def test_wgmma_row_tiles_of_at_most_64_rows(rng, stream, num_q_heads, num_kv_heads, qo_lens,
+                                            causal):
+    """Row tiles of at most 64 rows in the 128-row kernel (multi-query decode, drafts: its
+    second computing warpgroup has no rows). KV of one tile, two, an odd and an even count, a
+    partial last tile; mixed with tiles of more than 64 rows (3 x 32); split and unsplit
+    against the oracle and each other."""
     if len(wgmma_choices()) == 1:
         pytest.skip("the warpgroup-MMA kernels need an sm_90 GPU")
     case = MultiCase(qo_lens, [3, 64, 65, 191, 4096, 1000], num_q_heads, num_kv_heads,

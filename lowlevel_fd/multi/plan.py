@@ -120,7 +120,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
                              f"{' with tree=True' if tree else ''}, got {ksplit!r}")
         use_wgmma, wg_rows = self._wgmma_choice(
-            wgmma, wg_rows, ksplit, tree, int(qo_lens.max()) * self.group_size)
+            wgmma, wg_rows, ksplit, tree, int(qo_lens.max()) * self.group_size,
+            int(np.count_nonzero(qo_lens)) * self.num_kv_heads)
         if ksplit is None:
             ksplit = (allowed[-1] if tree else 1 if use_wgmma else
                       choose_ksplit(qo_lens, self.group_size, self.head_dim))
@@ -170,10 +171,11 @@ class MultiPlan(OnCache, CreatedFromOptions):
         return self
 
     def _wgmma_choice(self, wgmma: bool | None, wg_rows: int | None, ksplit: int | None,
-                      tree: bool, rows: int) -> tuple[bool, int]:
+                      tree: bool, rows: int, row_tiles: int = 0) -> tuple[bool, int]:
         """(warpgroup kernel or not, its rows per CTA): the planner's pick (planner.
-        choose_wg_rows; ``rows``: the most query rows of one sequence and KV head) wherever
-        the kernels apply, unless ``wgmma`` / ``wg_rows`` say otherwise (forced: 128 rows)."""
+        choose_wg_rows; ``rows``: the most query rows of one sequence and KV head,
+        ``row_tiles``: the (sequence, KV head) pairs with rows) wherever the kernels apply,
+        unless ``wgmma`` / ``wg_rows`` say otherwise."""
         if wg_rows is not None:
             if isinstance(wg_rows, bool) or wg_rows not in WG_ROWS:
                 raise ValueError(f"wg_rows: expected one of {WG_ROWS}, got {wg_rows!r}")
@@ -183,7 +185,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
             wgmma = True
         available = wgmma_available(self.device.arch, self.head_dim)
         if wgmma is None:
-            picked = (choose_wg_rows(rows)
+            picked = (choose_wg_rows(rows, row_tiles, self.device.sm_count)
                       if available and ksplit in (None, 1) and not tree else None)
             return picked is not None, picked or 128
         if wgmma and not available:
@@ -195,7 +197,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
                              f"no tree masks), got ksplit {ksplit}, tree={tree}")
         if not wgmma:
             return False, 128
-        return True, wg_rows or 128
+        return True, wg_rows or (64 if rows <= 64 else 128)
 
     def _ensure_workspace(self, rows: int, counters: int) -> None:
         """``rows`` split partial rows (D floats and an LSE each), ``counters`` merge counters;

@@ -23,14 +23,15 @@ MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
 MIN_SPLIT_TILES = 16
 WAVES = 2
 # The warpgroup-MMA kernels (sm_90) by the most query rows a sequence has per KV head (PERF_NOTES
-# m13, m14, m18; S=4096, drafts of Hq=32 / Hkv=8 at B=8 and 64, multi-query groups): up to 32
-# rows the split-warp mma.sync kernel (4 and 8 drafts at B=8: 1.23x / 1.40x decode's time vs
-# 1.37x / 1.41x on 128-row CTAs; at B=64 1.03x / 1.15x vs 1.32x); from 33 the warp-specialized
-# CTA of 128 rows, whose two computing warpgroups split the KV of a tile of at most 64 rows
-# (m18: 16 drafts at B=8 41.8 us vs 50.7 on 64-row CTAs, at B=64 239.9 vs 261.8; a
-# multi-query group of 64 at B=32 26.2 vs 38.8, at B=128 65.8 vs 80.7). The 64-row CTAs
-# (multi_wg64.cu) are only picked by wg_rows=64.
-WGMMA_MIN_ROWS = 33
+# m13, m14; S=4096, drafts of Hq=32 / Hkv=8 at B=8 and 64, multi-query groups): up to 32 rows
+# the split-warp mma.sync kernel (4-8 drafts: 1.24-1.43x decode's time vs 1.46-1.59x on the
+# warpgroup kernels); from 33 the warp-specialized CTA of 128 rows, even half full (a
+# multi-query group of 64: B=32 29.0 us vs 36.9 on 64-row CTAs, B=128 69.3 vs 76.8; 16 drafts
+# at B=8 44.9 vs 48.7), except where 33-64 rows come in enough row tiles to give every SM two
+# 64-row CTAs (16 drafts at B=64, 512 tiles: 239 us vs 264).
+WGMMA_MIN_ROWS = 65
+WG64_MIN_ROWS = 33
+WG64_MIN_TILES_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,15 @@ def choose_splits(work: MultiWorkload, sm_count: int, ctas_per_sm: int) -> tuple
     return max(1, min(MAX_SPLITS, wanted, by_length)), min_tokens
 
 
-def choose_wg_rows(rows: int) -> int | None:
+def choose_wg_rows(rows: int, row_tiles: int, sm_count: int) -> int | None:
     """The warpgroup kernel's CTA rows for a workload whose sequences have at most ``rows``
-    query rows per KV head, or None for the mma.sync kernel."""
-    return 128 if rows >= WGMMA_MIN_ROWS else None
+    query rows per KV head, in ``row_tiles`` (sequence, KV head) pairs, or None for the
+    mma.sync kernel."""
+    if rows >= WGMMA_MIN_ROWS:
+        return 128
+    if rows >= WG64_MIN_ROWS:
+        return 64 if row_tiles >= WG64_MIN_TILES_PER_SM * sm_count else 128
+    return None
 
 
 def choose_ksplit(qo_lens: np.ndarray, group_size: int, head_dim: int) -> int:
