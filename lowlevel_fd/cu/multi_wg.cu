@@ -17,10 +17,6 @@
 // with copy c). Each computing warpgroup issues S(j + 1) and P(j) V(j) together and runs the
 // softmax of S(j + 1) while P(j) V(j) is on the tensor cores; the two take turns to issue
 // (two more named barriers: FA3's ping-pong), so one's softmax overlaps the other's products.
-// A row tile of at most 64 rows (multi-query decode, drafts, a chunk's last tile) would leave
-// warpgroup 2 idle: there ("halves") both computing warpgroups take the same 64 rows, each the
-// scores and P V of its 32 tokens of every tile (m64n32 score MMAs), with the hand-overs and
-// turns unchanged, and their two online softmaxes are merged in shared memory at the end.
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_rows.cuh"
 
@@ -57,7 +53,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     multi_attend_wg(const __grid_constant__ MultiParams p) {
   using L = WgLayout<HEAD_DIM>;
   using B = WgBarriers<L::kCopies>;
-  constexpr int kChunks = HEAD_DIM / 16;
+  constexpr int kChunks = HEAD_DIM / 16, kNB = L::kTokens / 8, kKT = L::kTokens / 16;
   constexpr int kStages = L::kStages, kCopies = L::kCopies;
   constexpr int kOut = HEAD_DIM / 2;  // accumulators per thread: 64 rows x HEAD_DIM / 128
   constexpr int kCompute = L::kThreads - L::kLoadThreads;
@@ -120,142 +116,126 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
 
   // ---- computing warpgroups ----
   set_max_registers<216>();
-  static_assert((kOut + 4) * 128 * 4 <= kStages * L::kStageBytes, "merge_halves' exchange");
-  // Two copies of the computing code: whole tiles, or halves (a row tile of at most 64 rows:
-  // both warpgroups on the same rows, each on its half of every tile; one CTA-uniform branch).
-  auto compute = [&](auto mode) __attribute__((always_inline)) {
-    constexpr bool kHalf = decltype(mode)::value;
-    constexpr int kN = kHalf ? 32 : 64;  // score columns of a warpgroup per tile
-    constexpr int kNBw = kN / 8, kKTw = kN / 16;
-    const int cw = wg - 1;
-    // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
-    // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
-    const int wg_row0 = kHalf ? row0 : row0 + 64 * cw;
-    const int token0 = kHalf ? 32 * cw : 0;  // this warpgroup's first column of a tile
-    const bool wg_active = wg_row0 < sr.rows;
-    const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
-    const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
-    const int r_lo = wg_row0 + 16 * (warp % 4) + g;
-    int visible[2];
+  const int cw = wg - 1;
+  // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
+  // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
+  const int wg_row0 = row0 + 64 * cw;
+  const bool wg_active = wg_row0 < sr.rows;
+  const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
+  const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
+  const int r_lo = wg_row0 + 16 * (warp % 4) + g;
+  int visible[2];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r_lo + 8 * hr;
-      visible[hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
-    }
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = r_lo + 8 * hr;
+    visible[hr] = r < sr.rows ? min(end, sr.limit(p, r)) : 0;
+  }
 
-    uint32_t qa[kChunks][4];
-    float row_const[2], v_const;
-    wg_load_query<HEAD_DIM, SCALE_MODE, QT>(
-        qa, row_const, v_const, p, sr, kvh, r_lo, warp % 4, lane,
-        smem + L::kQ16 + cw * L::kBlocks * L::kBlockBytes);
-    auto acquire = [&](int j) __attribute__((always_inline)) {  // tile j's copy is widened
-      named_sync(B::full(j % kCopies, cw), L::kLoadThreads + 128);
-    };
-    auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done with it
-      if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), L::kThreads);
-    };
-    auto copy_address = [&](int j) __attribute__((always_inline)) {
-      return base + copy_offset(j);
-    };
-
-    float o[kOut];
-#pragma unroll
-    for (int i = 0; i < kOut; ++i) o[i] = 0.f;
-    float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
-    VRef vr;
-    float s[4 * kNBw];
-    uint32_t a[kKTw][4], a_next[kKTw][4];
-    float corr[2] = {1.f, 1.f};
-    KScales<HEAD_DIM, kTokenScales> ks;
-    auto softmax = [&](int j, uint32_t (&p_out)[kKTw][4]) __attribute__((always_inline)) {
-      const int col0 = start + j * L::kTokens + token0;
-      // Masked where some row of the warpgroup stops inside its columns.
-      softmax_tile<HEAD_DIM, kTokenScales, kNBw>(s, p_out, m, l, vr, corr, row_const, ks,
-                                                 smem + copy_offset(j), col0 + kN > wg_full,
-                                                 col0, visible, c, token0 != 0);
-    };
-    auto computes = [&](int j) __attribute__((always_inline)) {
-      return j < tiles && start + j * L::kTokens + token0 < wg_limit;  // uniform over the wg
-    };
-
-    // Ping-pong: the warpgroups take turns to issue their products (turn(w): warpgroup w's),
-    // so that one's softmax runs while the other's products do. Every warpgroup takes a turn
-    // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
-    // for it).
-    auto my_turn = [&]() __attribute__((always_inline)) {
-      named_sync(B::turn(cw), 256);
-    };
-    auto their_turn = [&](bool last) __attribute__((always_inline)) {
-      if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
-    };
-    if (tiles > 0) {
-      if (cw == 1) their_turn(false);
-      acquire(0);
-      my_turn();
-      if (computes(0)) {
-        wgmma_fence();
-        issue_scores<HEAD_DIM, kN>(s, qa, copy_address(0), token0);
-        their_turn(false);
-        ks.load(smem + copy_offset(0), c);
-        wgmma_wait<0>();
-        fence_operands(s);
-        softmax(0, a);
-      } else {
-        their_turn(false);
-      }
-    }
-    // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
-    // operand in flight). The loop alternates the two sets (a copy between them made ptxas
-    // serialize every wgmma).
-    auto tile_step = [&](int j, uint32_t (&cur)[kKTw][4], uint32_t (&nxt)[kKTw][4])
-        __attribute__((always_inline)) {
-      if (j + 1 < tiles) acquire(j + 1);
-      // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
-      // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
-      // computed from a stale copy and dropped.
-      my_turn();
-      if (computes(j)) {
-        rescale_rows(o, corr);
-        wgmma_fence();
-        issue_scores<HEAD_DIM, kN>(s, qa, copy_address(j + 1), token0);
-        issue_values<HEAD_DIM>(o, cur, copy_address(j), token0 / 16);
-        their_turn(j + 1 == tiles);
-        ks.load(smem + copy_offset(j + 1), c);  // acquired, or a stale copy nobody writes
-        wgmma_wait<1>();
-        fence_operands(s);
-        // computes() only turns false: a tile it skips is never P V's operand, so nxt and corr
-        // are left as they are.
-        if (computes(j + 1)) softmax(j + 1, nxt);
-        wgmma_wait<0>();
-        fence_operands(o);
-      } else {
-        their_turn(j + 1 == tiles);
-      }
-      release(j);
-    };
-#pragma unroll 1
-    for (int j = 0; j < tiles; j += 2) {
-      tile_step(j, a, a_next);
-      if (j + 1 < tiles) tile_step(j + 1, a_next, a);
-    }
-
-    // ---- this split's rows: normalised, with their base-2 LSE ----
-    const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
-    const int64_t part = slot * p.num_splits + split;
-    if constexpr (kHalf)  // warpgroup 2's half of the columns into warpgroup 1's rows
-      merge_halves<kOut>(o, m, l, vr.shift, reinterpret_cast<float*>(smem), cw);
-    if (wg_active && !(kHalf && cw == 1))
-      wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
-                                              r_lo, c, part, active);
-    if (active == 1) return;
-
-    merge_if_last<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, slot, active,
-                                                      reinterpret_cast<float*>(smem), is_last);
+  uint32_t qa[kChunks][4];
+  float row_const[2], v_const;
+  wg_load_query<HEAD_DIM, SCALE_MODE, QT>(qa, row_const, v_const, p, sr, kvh, r_lo, warp % 4,
+                                          lane, smem + L::kQ16 + cw * L::kBlocks * L::kBlockBytes);
+  auto acquire = [&](int j) __attribute__((always_inline)) {  // tile j's copy is widened
+    named_sync(B::full(j % kCopies, cw), L::kLoadThreads + 128);
   };
-  if (sr.rows - row0 <= 64)
-    compute(BoolConstant<true>{});
-  else
-    compute(BoolConstant<false>{});
+  auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done with it
+    if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), L::kThreads);
+  };
+  auto copy_address = [&](int j) __attribute__((always_inline)) {
+    return base + copy_offset(j);
+  };
+
+  float o[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) o[i] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  VRef vr;
+  float s[4 * kNB];
+  uint32_t a[kKT][4], a_next[kKT][4];
+  float corr[2] = {1.f, 1.f};
+  KScales<HEAD_DIM, kTokenScales> ks;
+  auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
+    const int col0 = start + j * L::kTokens;
+    // Masked where some row of the warpgroup stops inside the tile.
+    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const, ks,
+                                         smem + copy_offset(j), col0 + L::kTokens > wg_full,
+                                         col0, visible, c);
+  };
+  auto computes = [&](int j) __attribute__((always_inline)) {
+    return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
+  };
+
+  // Ping-pong: the warpgroups take turns to issue their products (turn(w): warpgroup w's),
+  // so that one's softmax runs while the other's products do. Every warpgroup takes a turn
+  // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
+  // for it).
+  auto my_turn = [&]() __attribute__((always_inline)) {
+    named_sync(B::turn(cw), 256);
+  };
+  auto their_turn = [&](bool last) __attribute__((always_inline)) {
+    if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
+  };
+  if (tiles > 0) {
+    if (cw == 1) their_turn(false);
+    acquire(0);
+    my_turn();
+    if (computes(0)) {
+      wgmma_fence();
+      issue_scores<HEAD_DIM>(s, qa, copy_address(0));
+      their_turn(false);
+      ks.load(smem + copy_offset(0), c);
+      wgmma_wait<0>();
+      fence_operands(s);
+      softmax(0, a);
+    } else {
+      their_turn(false);
+    }
+  }
+  // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
+  // operand in flight). The loop alternates the two sets (a copy between them made ptxas
+  // serialize every wgmma).
+  auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
+      __attribute__((always_inline)) {
+    if (j + 1 < tiles) acquire(j + 1);
+    // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
+    // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
+    // computed from a stale copy and dropped.
+    my_turn();
+    if (computes(j)) {
+      rescale_rows(o, corr);
+      wgmma_fence();
+      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
+      issue_values<HEAD_DIM>(o, cur, copy_address(j));
+      their_turn(j + 1 == tiles);
+      ks.load(smem + copy_offset(j + 1), c);  // acquired, or a stale copy nobody writes
+      wgmma_wait<1>();
+      fence_operands(s);
+      // computes() only turns false: a tile it skips is never P V's operand, so nxt and corr
+      // are left as they are.
+      if (computes(j + 1)) softmax(j + 1, nxt);
+      wgmma_wait<0>();
+      fence_operands(o);
+    } else {
+      their_turn(j + 1 == tiles);
+    }
+    release(j);
+  };
+#pragma unroll 1
+  for (int j = 0; j < tiles; j += 2) {
+    tile_step(j, a, a_next);
+    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
+  }
+
+  // ---- this split's rows: normalised, with their base-2 LSE ----
+  const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
+  const int64_t part = slot * p.num_splits + split;
+  if (wg_active)
+    wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
+                                            r_lo, c, part, active);
+  if (active == 1) return;
+
+  merge_if_last<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, slot, active,
+                                                    reinterpret_cast<float*>(smem), is_last);
 }
 
 }  // namespace llfd

@@ -88,47 +88,6 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
   }
 }
 
-// multi_wg.cu's halves: both computing warpgroups ran the same 64 rows (same thread -> row
-// mapping) over the two halves of every KV tile; warpgroup 2 leaves its accumulators and
-// softmax state in `xchg` (the int8 stages: both warpgroups acquired every tile, so the loader
-// has read its last one) and warpgroup 1 folds them into its own, rescaled to the larger of
-// the two offsets (m + shift, softmax_tile's units); `shift` comes back 0. A row one half
-// never saw (m = -inf) adds nothing.
-template <int N>
-__device__ __forceinline__ void merge_halves(float (&o)[N], float (&m)[2], float (&l)[2],
-                                             float& shift, float* xchg, int cw) {
-  const int t = static_cast<int>(threadIdx.x) % 128;
-  asm volatile("bar.sync 1, 256;" ::: "memory");  // both loops done
-  if (cw == 1) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) xchg[i * 128 + t] = o[i];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      xchg[(N + hr) * 128 + t] = m[hr] == kNegInf ? kNegInf : m[hr] + shift;
-      xchg[(N + 2 + hr) * 128 + t] = l[hr];
-    }
-  }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  if (cw == 1) return;
-  float f_mine[2], f_theirs[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float mine = m[hr] == kNegInf ? kNegInf : m[hr] + shift;
-    const float theirs = xchg[(N + hr) * 128 + t];
-    const float top = fmaxf(mine, theirs);
-    f_mine[hr] = mine == kNegInf ? 0.f : exp2f(mine - top);
-    f_theirs[hr] = theirs == kNegInf ? 0.f : exp2f(theirs - top);
-    l[hr] = l[hr] * f_mine[hr] + xchg[(N + 2 + hr) * 128 + t] * f_theirs[hr];
-    m[hr] = top;
-  }
-  shift = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int hr = (i >> 1) & 1;  // accumulator i: row r_lo + 8 hr (o[4 j + 2 hr + e])
-    o[i] = o[i] * f_mine[hr] + xchg[i * 128 + t] * f_theirs[hr];
-  }
-}
-
 // O *= the softmax's correction of its rows (skipped when no lane's changed).
 template <int N>
 __device__ __forceinline__ void rescale_rows(float (&o)[N], const float (&corr)[2]) {

@@ -9,11 +9,6 @@
 
 namespace llfd {
 
-template <bool V>
-struct BoolConstant {
-  static constexpr bool value = V;
-};
-
 // CTA shapes: 128 query rows (multi_wg.cu: a loading warpgroup and two computing ones, one CTA
 // per SM) or 64 (one warpgroup that does both, multi_wg64.cu: two CTAs per SM, so the shared
 // memory holds half as much). Warpgroup 0 loads and widens the tiles in both.
@@ -168,22 +163,21 @@ using KScales = LaneScales<HEAD_DIM, TOKEN_SCALES, WgLayout<HEAD_DIM>::kCopyKSca
 // copies made the loops long enough to miss in the instruction cache, PERF_NOTES m13). m: the
 // rows' maxima of the scaled scores; the rows' output is O / l and their LSE
 // m + shift + log2(l).
-// kNB = 4: one half of the tile, the second if `block0` (multi_wg.cu's halves).
 template <int HEAD_DIM, bool TOKEN_SCALES, int kNB = WgLayout<HEAD_DIM>::kTokens / 8>
 __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[kNB / 2][4],
                                              float (&m)[2], float (&l)[2], VRef& vr,
                                              float (&corr)[2], const float (&row_const)[2],
                                              const KScales<HEAD_DIM, TOKEN_SCALES>& ks,
                                              const char* copy, bool masked, int col0,
-                                             const int (&visible)[2], int c, bool block0 = false) {
+                                             const int (&visible)[2], int c) {
   using L = WgLayout<HEAD_DIM>;
-  static_assert(kNB == 8 || kNB == 4, "LaneScales: 16 scales per lane, a tile or half of one");
+  static_assert(kNB == 8, "LaneScales: 16 scales per lane");
   // Scores stay unscaled until the exponent (row_const > 0 keeps the maximum's position):
   // one FFMA per score applies the row's scale and subtracts its maximum.
   if constexpr (TOKEN_SCALES) {
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const float2 k = block0 ? ks.pair(4 + j % 4) : ks.pair(j);  // constant indices
+      const float2 k = ks.pair(j);
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[4 * j + e] *= (e & 1) ? k.y : k.x;
     }
@@ -201,7 +195,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
     LaneScales<HEAD_DIM, TOKEN_SCALES, L::kCopyVScale> v;
     v.load(copy, c);
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) vs[j] = block0 ? v.pair(4 + j % 4) : v.pair(j);
+    for (int j = 0; j < kNB; ++j) vs[j] = v.pair(j);
     const float2 tile_top = *reinterpret_cast<const float2*>(copy + L::kCopyVMax);
     const float top = fmaxf(vr.top, fmaxf(tile_top.x, tile_top.y));
     if (top != vr.top) {  // uniform over the warp (the tile's largest, from shared memory)
@@ -260,38 +254,28 @@ __device__ __forceinline__ void softmax_tile(float (&s)[4 * kNB], uint32_t (&a)[
 }
 
 // S = Q K^T for a warpgroup: Q's A fragments in registers (qa[kk]: dims 16 kk .. + 15), K from
-// the widened copy: the tile's 64 tokens, or (N = 32) the 32 from token `token0`.
-template <int HEAD_DIM, int N = 64>
-__device__ __forceinline__ void issue_scores(float (&s)[N / 2],
-                                             const uint32_t (&qa)[HEAD_DIM / 16][4],
-                                             uint32_t copy, int token0 = 0) {
-  static_assert(N == 64 || N == 32, "a tile or half of one");
-  const uint64_t k = sw128_descriptor(copy + token0 * 128, 16, 1024);
-  auto mma = [&](auto first, int kk, uint64_t desc) __attribute__((always_inline)) {
-    if constexpr (N == 64)
-      wgmma_m64n64k16_rs_kmajor<decltype(first)::value>(s, qa[kk], desc);
-    else
-      wgmma_m64n32k16_rs_kmajor<decltype(first)::value>(s, qa[kk], desc);
-  };
-  mma(BoolConstant<true>{}, 0, k);
+// the widened copy.
+template <int HEAD_DIM>
+__device__ __forceinline__ void issue_scores(float (&s)[32], const uint32_t (&qa)[HEAD_DIM / 16][4],
+                                             uint32_t copy) {
+  const uint64_t k = sw128_descriptor(copy, 16, 1024);
+  wgmma_m64n64k16_rs_kmajor<true>(s, qa[0], k);
 #pragma unroll
   for (int kk = 1; kk < HEAD_DIM / 16; ++kk) {
     const uint32_t at = (kk >> 2) * WgLayout<HEAD_DIM>::kBlockBytes + (kk & 3) * 32;
-    mma(BoolConstant<false>{}, kk, descriptor_plus(k, at));
+    wgmma_m64n64k16_rs_kmajor<false>(s, qa[kk], descriptor_plus(k, at));
   }
   wgmma_commit();
 }
 
-// O += P V for a warpgroup: P's A fragments in registers (KT blocks of 16 tokens from token
-// 16 kt0), V from the widened copy.
-template <int HEAD_DIM, int KT = 4>
-__device__ __forceinline__ void issue_values(float (&o)[HEAD_DIM / 2], const uint32_t (&a)[KT][4],
-                                             uint32_t copy, int kt0 = 0) {
+template <int HEAD_DIM>
+__device__ __forceinline__ void issue_values(float (&o)[HEAD_DIM / 2], const uint32_t (&a)[4][4],
+                                             uint32_t copy) {
   using L = WgLayout<HEAD_DIM>;
   const uint64_t v0 = sw128_descriptor(copy + L::kCopyV, L::kBlockBytes, 1024);
 #pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    const uint64_t v = descriptor_plus(v0, (kt0 + kt) * 16 * 128);
+  for (int kt = 0; kt < 4; ++kt) {
+    const uint64_t v = descriptor_plus(v0, kt * 16 * 128);
     if constexpr (HEAD_DIM == 128)
       wgmma_m64n128k16_rs(o, a[kt], v, 1);
     else
