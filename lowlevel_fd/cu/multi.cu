@@ -98,13 +98,16 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
 
   TileLoader<HEAD_DIM, kTileRows, kTokenScales, ScaleT, PAGED, 128, !PAGED> loader(b, kvh);
   const uint32_t smem_base = shared_address(smem);
+  // With early reads the first tiles are issued before the wait when they lie before the
+  // chunk, after it otherwise (one copy of the prologue either way).
   const bool prime_early = early && min(end, start + (kMultiStages - 1) * T::kRows) <= sr.prefix;
-  if (prime_early) loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
-  if (early) {
+  auto wait_then_flag = [&]() __attribute__((always_inline)) {
     wait_for_previous_grid();
     work.flag(p);
-  }
-  if (!prime_early) loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
+  };
+  if (early && !prime_early) wait_then_flag();
+  loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
+  if (prime_early) wait_then_flag();
 
   // Q fragments live in shared memory (16 bytes per lane, m-block and 16-dim chunk, read
   // conflict-free by the lane that wrote them): in registers, next to the accumulators of two
