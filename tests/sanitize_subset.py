@@ -328,6 +328,9 @@ case("paged decode bad page ids", paged.test_bad_page_ids_set_the_flag_and_touch
 case("paged fused append across page edges",
      lambda rng, stream: paged.test_fused_append_over_pages_writes_the_contiguous_bytes(
          rng, stream, "hnd", 1, "token", "float16"))
+case("paged fused append, table window and past it, page 1",
+     lambda rng, stream: paged.test_fused_append_reads_page_ids_inside_and_past_its_table_window(
+         rng, stream, "hnd", 1))
 case("paged append and prompt kernels",
      lambda rng, stream: paged.test_append_and_prompt_kernels_write_pages_as_contiguous(
          rng, stream, "nhd", 16))

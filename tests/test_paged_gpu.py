@@ -175,6 +175,40 @@ def test_fused_append_over_pages_writes_the_contiguous_bytes(rng, stream, layout
         assert_bitwise(value, expected[name], name)
 
 
+@pytest.mark.parametrize("layout, page_size", [("hnd", 1), ("nhd", 1), ("nhd", 16)])
+def test_fused_append_reads_page_ids_inside_and_past_its_table_window(rng, stream, layout,
+                                                                       page_size):
+    # Few-CTA paged plans copy up to 1024 table ids per CTA with the position (IdWindow in
+    # cu/cache_pages.cuh); at page size 1 positions past 1024 read the rest from the table.
+    # Either way the output is the contiguous cache's, bit for bit, and the same with the
+    # window off.
+    positions = [2050, 1500, 0, 1030]
+    case = Case.random(rng, positions, capacity=2100, num_q_heads=8, num_kv_heads=2)
+    qt = dtypes.as_dtype(case.dtype)
+    k_new = DeviceArray.from_numpy(rng.standard_normal((case.batch, 2, 128)).astype(qt))
+    v_new = DeviceArray.from_numpy(rng.standard_normal((case.batch, 2, 128)).astype(qt))
+    pages = paginate(rng, contiguous(case), layout, page_size, token_scales=True)
+    d, paged = case.upload(), pages.upload()
+
+    def append(plan, arrays, table):
+        out = DeviceArray.full((case.batch, 8, 128), float("nan"), qt)
+        plan.append_and_run(d["q"], k_new, v_new, *arrays, d["seq_lens"], out,
+                            block_table=table, stream=stream)
+        assert plan.error_flags(stream=stream) == 0
+        return out.numpy()
+
+    flat = case.make_plan()
+    flat.plan(positions, append=True)
+    expected = append(flat, [d[n] for n in ("k", "v", "k_scale", "v_scale")], None)
+    plan = paged_plan(case, layout, page_size)
+    plan.plan(positions, append=True)
+    assert plan.describe()["table_window"]
+    arrays = [paged[n] for n in CACHE]
+    assert_bitwise(append(plan, arrays, paged["block_table"]), expected, "window")
+    plan._params.table_window = 0  # the same kernel reading every id from the table
+    assert_bitwise(append(plan, arrays, paged["block_table"]), expected, "no window")
+
+
 @pytest.mark.parametrize("layout, page_size", [("nhd", 16), ("hnd", 2), ("nhd", 128)])
 def test_append_and_prompt_kernels_write_pages_as_contiguous(rng, stream, layout, page_size):
     B, HKV, S = 3, 4, 300

@@ -43,8 +43,7 @@ __device__ __forceinline__ bool locate_token(const P& p, int b, int head, int po
 }
 
 // Pull the start of sequence b's table row into L1 (one 128-byte line per thread, up to
-// `threads` lines) while the kernel reads its length, so that the first page lookups, which
-// must wait for the length, hit L1 instead of adding an L2 round trip to the chain.
+// `threads` lines) while the kernel reads its length.
 template <typename P>
 __device__ __forceinline__ void prefetch_table_row(const P& p, int b, int threads) {
   const int lines = ((p.capacity >> p.page_shift) + 31) / 32;
@@ -52,5 +51,46 @@ __device__ __forceinline__ void prefetch_table_row(const P& p, int b, int thread
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p.block_table + b * p.table_stride +
                                                     32 * line));
 }
+
+// The fused append's window of sequence b's table row in shared memory. The page ids of a
+// CTA's first tiles wait for the sequence's position, and without early reads a round trip to
+// the table after it sat on the chain of the decode step (B=1, 1024 tokens: 6.54 us per layer
+// paged against 5.71 contiguous; with the window 6.05, PERF_NOTES v17). The window's ids are
+// copied alongside the position read instead: kEntries ids from the earliest page the CTA's
+// split can start at (split x min_split_tokens), when the plan asks (p.table_window: plans of
+// few CTAs, where the chain is the time). Ids outside it are read from the table as before.
+// (The plain decode kernel keeps its L1 prefetch: the window's CTA barrier made it slower.)
+template <int THREADS>
+struct IdWindow {
+  static constexpr int kEntries = 1024;
+  int first = 0, count = 0;  // the window: pages [first, first + count) of the row
+
+  // Copies the window into `ids` (shared) in a cp.async group of its own: issued before the
+  // length is read, with no register waiting on it. wait() completes it.
+  template <typename P>
+  __device__ __forceinline__ void load(const P& p, int b, int split, int* ids) {
+    if (p.table_window == 0) return;
+    const int row_pages = (p.capacity + (1 << p.page_shift) - 1) >> p.page_shift;
+    first = min(static_cast<int>((static_cast<int64_t>(split) * p.min_split_tokens) >>
+                                 p.page_shift), row_pages);
+    count = min(kEntries, row_pages - first);
+    const int32_t* row = p.block_table + b * p.table_stride + first;
+    const uint32_t base = shared_address(ids);
+    for (int i = threadIdx.x; i < count; i += THREADS) cp_async_4(base + 4 * i, row + i, 4);
+    cp_async_commit();
+  }
+  // Before the first id is read (every thread of the CTA; no other cp.async in flight).
+  template <typename P>
+  __device__ __forceinline__ void wait(const P& p) const {
+    if (p.table_window == 0) return;
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+  // Before a CTA returns without reading the window: no copy outlives it.
+  template <typename P>
+  __device__ __forceinline__ void drain(const P& p) const {
+    if (p.table_window != 0) cp_async_wait<0>();
+  }
+};
 
 }  // namespace llfd

@@ -118,7 +118,11 @@ decode_split(const __grid_constant__ DecodeParams p) {
                 p.q_head_stride);
   // len: the cached tokens the warps stream. With the fused append the splits cover those and
   // the new token joins the last one (sequence_splits).
-  if constexpr (PAGED) prefetch_table_row(p, b, NUM_WARPS * 32);
+  constexpr bool kWindow = PAGED && APPEND;
+  __shared__ int id_window[kWindow ? IdWindow<NUM_WARPS * 32>::kEntries : 1];
+  IdWindow<NUM_WARPS * 32> window;
+  if constexpr (kWindow) window.load(p, b, blockIdx.y, id_window);
+  else if constexpr (PAGED) prefetch_table_row(p, b, NUM_WARPS * 32);
   int len, pos = 0, chunk, active, new_page = 0;
   bool appended = false;
   RopeCoefficients<HEAD_DIM, NUM_WARPS * 32> rope_cs;
@@ -140,6 +144,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
   };
   if (!early) flag_position();
 
+  if (active == 0 || split >= active) {
+    if constexpr (kWindow) window.drain(p);
+  }
   if (active == 0) {  // empty sequence: zero output, lse = -inf, never NaN
     if (early) depend(), flag_position();
     if (split == 0)
@@ -179,6 +186,10 @@ decode_split(const __grid_constant__ DecodeParams p) {
   constexpr int kStep = 16 * TILES * NUM_WARPS;
   const int first = start + 16 * TILES * warp;
   typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh, lane);
+  if constexpr (kWindow) {
+    window.wait(p);  // uniform: every CTA that gets here syncs
+    pager.use_window(id_window, window.first, window.count);
+  }
   // Issue the tile at t into stage `index`; a paged lane then fetches the next tile's page ids.
   // `whole` (BoolTag): the page path, fixed per instantiation of the loop below.
   auto issue_as = [&](auto whole, int index, int t) __attribute__((always_inline)) {

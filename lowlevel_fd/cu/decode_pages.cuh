@@ -34,6 +34,8 @@ struct PagedTiles {
   // tile); head_dim 256 keeps one id per row (the shuffles' registers spill a 256 variant).
   static constexpr bool kShuffleIds = HEAD_DIM != 256;
   const int32_t* table;  // this sequence's row of the block table
+  uint32_t window = 0;  // shared address of the ids of pages [window_first, + window_count)
+  int window_first = 0, window_count = 0;  // (IdWindow); count 0: none
   const int8_t *k_head, *v_head;  // the pools at this KV head
   int64_t v_delta;                // v_head - k_head
   const char* scale_head;         // this lane's scale pool (K: lanes 0-15, V: 16-31) at the head
@@ -76,6 +78,21 @@ struct PagedTiles {
     scale_offset = ((lane % 16) & mask) * scale_token_stride;
   }
 
+  __device__ __forceinline__ void use_window(const int* ids, int first, int count) {
+    window = shared_address(ids), window_first = first, window_count = count;
+  }
+
+  // The id of the row's page `index`: from the shared window when it holds it.
+  __device__ __forceinline__ int id(int index) const {
+    const unsigned at = static_cast<unsigned>(index - window_first);
+    if (at < static_cast<unsigned>(window_count)) {
+      int page;
+      asm volatile("ld.shared.b32 %0, [%1];" : "=r"(page) : "r"(window + 4 * at));
+      return page;
+    }
+    return __ldg(table + index);
+  }
+
   // Load the page ids of the tile at t0 (t0 < end). Rows past `end` are never copied: any
   // id in the table does for them. WHOLE: the path `whole` selects, known at compile time
   // (the kernel's loop is instantiated for each); fetch/issue pick it at run time.
@@ -91,21 +108,21 @@ struct PagedTiles {
     if constexpr (WHOLE) {
 #pragma unroll
       for (int sub = 0; sub < TILES; ++sub)
-        sub_page[sub] = __ldg(table + (min(t0 + 16 * sub, end - 1) >> shift));
+        sub_page[sub] = id(min(t0 + 16 * sub, end - 1) >> shift);
       return;
     }
     if constexpr (kShuffleIds) {
-      token_page = __ldg(table + (min(t0 + lane % (16 * TILES), end - 1) >> shift));
+      token_page = id(min(t0 + lane % (16 * TILES), end - 1) >> shift);
     } else {
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int row = (lane + 32 * i) / S::kRowChunks;
-        pages[i] = __ldg(table + (min(t0 + row, end - 1) >> shift));
+        pages[i] = id(min(t0 + row, end - 1) >> shift);
       }
       if constexpr (TOKEN_SCALES) {
 #pragma unroll
         for (int sub = 0; sub < TILES; ++sub)
-          sub_page[sub] = __ldg(table + (min(t0 + 16 * sub + lane % 16, end - 1) >> shift));
+          sub_page[sub] = id(min(t0 + 16 * sub + lane % 16, end - 1) >> shift);
       }
     }
   }

@@ -28,7 +28,7 @@ class DecodeParams(ctypes.Structure):
                     "v_new_head_stride")]
                 # the query heads: the group, served in head_chunks CTAs of chunk_heads
                 + [(name, ctypes.c_int32) for name in ("group_size", "head_chunks",
-                                                       "chunk_heads")]
+                                                       "chunk_heads", "table_window")]
                 + PAGE_FIELDS)
 
 

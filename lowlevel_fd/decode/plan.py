@@ -115,6 +115,10 @@ class DecodePlan(OnCache, CreatedFromOptions):
         p.cluster_slots_offset = slots_offset
         p.group_size, p.head_chunks, p.chunk_heads = self.group_size, chunks, chunk_heads
         grid = (slots, config.num_splits, batch)
+        # Paged plans of few CTAs read their first page ids with the lengths (IdWindow in
+        # cu/cache_pages.cuh): there the chain of the launch is the time.
+        p.table_window = int(self.cache.paged and
+                             batch * slots * config.num_splits <= 2 * self.device.sm_count)
         launch_config = LaunchConfig(
             grid, variant.threads, shared,
             cluster=(1, config.num_splits, 1) if config.cluster else None,
@@ -134,7 +138,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "group_size": self.group_size, "cta_heads": self.cta_heads,
-            "head_chunks": self.head_chunks,
+            "head_chunks": self.head_chunks, "table_window": bool(p.table_window),
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
             "tiles": variant.tiles, "tile_tokens": 16 * variant.tiles,
             "num_warps": variant.num_warps, "stages": variant.stages,
