@@ -280,3 +280,18 @@ def test_bench_kernels_are_the_tools_own_and_compile_for_sm_90_without_spills():
         assert resources.spill_store_bytes == resources.spill_load_bytes == 0, name
         assert resources.stack_bytes == 0, name
     assert kernels.bench_program("sm_90") is program  # once per process and arch
+
+
+def test_probe_gather_strides_are_the_cache_layouts():
+    import probe_gather
+    B, S, P, H, D = 2, 64, 16, probe_gather.H, probe_gather.D
+    N = B * S // P
+    cases = (("bnsh", 0, (B, H, S, D), (0, 1, 2), (B, H, S), (0, 1, 2)),
+             ("bsnh", 0, (B, S, H, D), (0, 2, 1), (B, H, S), (0, 1, 2)),
+             ("hnd", P, (N, H, P, D), (0, 1, 2), (N, H, P), (0, 1, 2)),
+             ("nhd", P, (N, P, H, D), (0, 2, 1), (N, P, H), (0, 2, 1)))
+    for layout, page, shape, axes, scale_shape, scale_axes in cases:
+        rows, scales = probe_gather.strides(layout, S, page)
+        kv, sc = np.empty(shape, np.int8), np.empty(scale_shape, np.float32)
+        assert rows == tuple(kv.strides[i] for i in axes), layout
+        assert scales == tuple(sc.strides[i] for i in scale_axes), layout

@@ -45,7 +45,7 @@ struct DecodeParams {
   int32_t group_size;
   int32_t head_chunks;
   int32_t chunk_heads;
-  int32_t table_window;  // paged: 1 loads a window of the table with the length (IdWindow)
+  int32_t table_window;  // paged, fused append: 1 copies table ids with the position (IdWindow)
   // Paged storage (cache_pages.cuh; null block_table: contiguous). kv_batch_stride and
   // scale_batch_stride are then the pools' page strides.
   const int32_t* block_table;  // [>= B, table_stride]: page ids, read at run time

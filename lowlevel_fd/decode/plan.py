@@ -115,8 +115,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
         p.cluster_slots_offset = slots_offset
         p.group_size, p.head_chunks, p.chunk_heads = self.group_size, chunks, chunk_heads
         grid = (slots, config.num_splits, batch)
-        # Paged plans of few CTAs read their first page ids with the lengths (IdWindow in
-        # cu/cache_pages.cuh): there the chain of the launch is the time.
+        # The fused append kernels of paged plans of few CTAs copy their first page ids with
+        # the positions (IdWindow in cu/cache_pages.cuh): there the chain is the time.
         p.table_window = int(self.cache.paged and
                              batch * slots * config.num_splits <= 2 * self.device.sm_count)
         launch_config = LaunchConfig(

@@ -63,3 +63,83 @@ extern "C" __global__ void fill_random(uint4* __restrict__ dst, unsigned long lo
                         static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
   }
 }
+
+// The decode kernel's memory access without its math (tools/probe_gather.py): what a layout
+// of the KV cache costs the memory system alone. Grid (Hkv, splits, B), 8 warps; each warp
+// streams 16-token tiles of one KV head (K and V rows of 128 bytes, and with token scales
+// their 4-byte scales) through a 2-stage cp.async pipeline, tile w + 8i of its CTA's split,
+// exactly as decode_split (PAGED or not) issues them. Row byte offset of (sequence or page
+// `unit`, head h, slot t): unit * batch_stride + h * head_stride + t * token_stride; paged
+// (`table` not null): token pos of sequence b is slot pos % 2^page_shift of page
+// table[b * pages_per_seq + (pos >> page_shift)]. Scales likewise with their own strides.
+struct GatherParams {
+  const int8_t* k;
+  const int8_t* v;
+  const char* k_scale;  // null: no per-token scales
+  const char* v_scale;
+  const int32_t* table;  // null: contiguous
+  long long batch_stride, head_stride, token_stride;  // bytes
+  long long scale_batch_stride, scale_head_stride, scale_token_stride;  // bytes
+  int seq_len, splits, page_shift, pages_per_seq;
+  unsigned long long* sink;
+};
+
+extern "C" __global__ void __launch_bounds__(256) gather_tiles(const GatherParams p) {
+  constexpr int kRowBytes = 128, kTile = 16 * kRowBytes, kStage = 2 * kTile + 128;
+  extern __shared__ __align__(128) char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int head = blockIdx.x, b = blockIdx.z;
+  const int chunk = p.seq_len / p.splits, start = blockIdx.y * chunk, end = start + chunk;
+  const uint32_t base = llfd::shared_address(smem) + warp * 2 * kStage;
+  auto unit_slot = [&](int pos, long long& unit, int& slot) {
+    if (p.table == nullptr) {
+      unit = b, slot = pos;
+    } else {
+      unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
+      slot = pos & ((1 << p.page_shift) - 1);
+    }
+  };
+  auto issue = [&](int stage, int t0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // 16 rows x 8 chunks of 16 bytes, per K and V
+      const int index = lane + 32 * i, row = index / 8, c = index % 8;
+      long long unit;
+      int slot;
+      unit_slot(t0 + row, unit, slot);
+      const long long at = unit * p.batch_stride + head * p.head_stride +
+                           slot * p.token_stride + 16 * c;
+      llfd::cp_async_16(base + stage * kStage + 16 * index, p.k + at);
+      llfd::cp_async_16(base + stage * kStage + kTile + 16 * index, p.v + at);
+    }
+    if (p.k_scale != nullptr) {  // lanes 0-15 K, 16-31 V: one token each
+      long long unit;
+      int slot;
+      unit_slot(t0 + lane % 16, unit, slot);
+      const long long at = unit * p.scale_batch_stride + head * p.scale_head_stride +
+                           slot * p.scale_token_stride;
+      llfd::cp_async_4(base + stage * kStage + 2 * kTile + 4 * lane,
+                       (lane < 16 ? p.k_scale : p.v_scale) + at, 4);
+    }
+  };
+  uint32_t acc = 0;
+  int t0 = start + 16 * warp, stage = 0;
+  if (t0 < end) issue(0, t0);
+  llfd::cp_async_commit();
+  for (; t0 < end; t0 += 16 * 8) {
+    if (t0 + 16 * 8 < end) issue(stage ^ 1, t0 + 16 * 8);
+    llfd::cp_async_commit();
+    llfd::cp_async_wait<1>();
+    __syncwarp();
+    const uint4* words = reinterpret_cast<const uint4*>(smem + (warp * 2 + stage) * kStage);
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {  // every byte the warp copied (K, V, scales)
+      if (i < 8 || lane < 8) {
+        const uint4 w = words[lane + 32 * i];
+        acc ^= w.x ^ w.y ^ w.z ^ w.w;
+      }
+    }
+    __syncwarp();
+    stage ^= 1;
+  }
+  if (acc == 0x8badf00du) *p.sink = acc;
+}

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""The memory system's price of each KV layout, without any attention math: bench.cu's
+gather_tiles streams K, V and per-token scales exactly as the decode kernel issues them (one
+KV head per CTA, 8 warps, 16-token tiles through 2-stage cp.async pipelines), over contiguous
+caches (bnsh, bsnh) and over pages (hnd, nhd) in random or physical order. The decode kernel
+cannot beat its layout's row here; PERF_NOTES v17 compares the two.
+
+    PYTHONPATH=.:tools python3 tools/probe_gather.py --shapes '64,8192;32,4096' --pages 16,1
+
+Hkv=8, D=128, int8 K and V, fp32 token scales ([B, Hkv, S] contiguous, [N, P, Hkv] with nhd
+pages, [N, Hkv, P] with hnd). Each shape's pools must hold >= 200 MiB (L2-honest without
+layers: every launch reads each byte once from DRAM). One launch per graph replay, CUDA
+events, median (p20-p80) of --iters replays after warmup; ratio to bnsh of the same shape.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+
+import numpy as np
+from benchlib.kernels import bench_kernel, fill_random
+from benchlib.stats import summarize
+from benchlib.workloads import parse_shapes
+
+H, D, MIB = 8, 128, 2**20
+MIN_BYTES = 200 * MIB
+WARPS, STAGE_BYTES = 8, 2 * 16 * D + 128  # the kernel's per-warp stage: K, V tiles, scales
+
+
+class GatherParams(ctypes.Structure):  # bench.cu's GatherParams, field for field
+    _fields_ = ([(name, ctypes.c_uint64) for name in ("k", "v", "k_scale", "v_scale", "table")]
+                + [(name, ctypes.c_int64) for name in (
+                    "batch_stride", "head_stride", "token_stride", "scale_batch_stride",
+                    "scale_head_stride", "scale_token_stride")]
+                + [(name, ctypes.c_int32) for name in (
+                    "seq_len", "splits", "page_shift", "pages_per_seq")]
+                + [("sink", ctypes.c_uint64)])
+
+
+def strides(layout: str, seq_len: int, page: int) -> tuple[tuple[int, int, int], tuple]:
+    """(batch or page, head, token) byte strides of the rows and of the fp32 scales."""
+    span = page or seq_len  # tokens per sequence (contiguous) or per page
+    rows = {"bnsh": (H * span * D, span * D, D), "hnd": (H * span * D, span * D, D),
+            "bsnh": (span * H * D, D, H * D), "nhd": (span * H * D, D, H * D)}[layout]
+    scales = {"bnsh": (H * span, span, 1), "bsnh": (H * span, span, 1),
+              "hnd": (H * span, span, 1), "nhd": (span * H, 1, H)}[layout]
+    return rows, tuple(4 * s for s in scales)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="64,8192;32,4096;128,2048", help="'B,S;B,S;...'")
+    parser.add_argument("--pages", default="16,1", help="comma list of page sizes")
+    parser.add_argument("--orders", default="random,ordered")
+    parser.add_argument("--splits", type=int, default=8, help="splits per sequence")
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
+    from lowlevel_fd.timing import time_graph
+
+    device, stream = Device(0), Stream()
+    kernel = bench_kernel(device, "gather_tiles")
+    shared = WARPS * 2 * STAGE_BYTES
+    kernel.allow_dynamic_shared(shared)
+    sink = DeviceArray.full(1, 0, np.uint64, device)
+    rng = np.random.default_rng(0)
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} "
+          f"{'us':>8} {'p20':>8} {'p80':>8} {'ratio':>6}", flush=True)
+    for batch, seq_len in parse_shapes(args.shapes):
+        tokens = batch * seq_len
+        if 2 * tokens * H * D < MIN_BYTES or seq_len % (16 * WARPS * args.splits):
+            print(f"skip B={batch} S={seq_len}: under 200 MiB of K and V, or S not a multiple "
+                  f"of {16 * WARPS * args.splits}", file=sys.stderr)
+            continue
+        k, v = (DeviceArray.empty(tokens * H * D, np.int8, device) for _ in range(2))
+        ks, vs = (DeviceArray.empty(tokens * H, np.float32, device) for _ in range(2))
+        for seed, array in enumerate((k, v, ks, vs)):
+            fill_random(array, seed + 1, stream)
+        variants = [("bnsh", 0, "-"), ("bsnh", 0, "-")] + [
+            (layout, int(page), order) for layout in ("hnd", "nhd")
+            for page in args.pages.split(",") for order in args.orders.split(",")]
+        base: dict[bool, float] = {}
+        for layout, page, order in variants:
+            table = None
+            if page:
+                pages = tokens // page
+                ids = rng.permutation(pages) if order == "random" else np.arange(pages)
+                table = DeviceArray.from_numpy(ids.astype(np.int32), device)
+            rows, scales = strides(layout, seq_len, page)
+            for with_scales in (False, True):
+                p = GatherParams(k.ptr, v.ptr, ks.ptr if with_scales else 0,
+                                 vs.ptr if with_scales else 0, table.ptr if table else 0,
+                                 *rows, *scales, seq_len, args.splits,
+                                 page.bit_length() - 1 if page else 0,
+                                 seq_len // page if page else 0, sink.ptr)
+                launch = kernel.prepare(LaunchConfig((H, args.splits, batch), 32 * WARPS,
+                                                     shared), p)
+                stats = summarize([1e3 * ms for ms in time_graph(
+                    lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
+                base.setdefault(with_scales, stats.median)
+                print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
+                      f"{'fp32' if with_scales else 'none':>6} {stats.median:>8.2f} "
+                      f"{stats.p20:>8.2f} {stats.p80:>8.2f} "
+                      f"{stats.median / base[with_scales]:>6.3f}", flush=True)
+            if table is not None:
+                table.close()
+        for array in (k, v, ks, vs):
+            array.close()
+    sink.close()
+    stream.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
