@@ -466,6 +466,7 @@ DECODE_PARAMS_LAYOUT = (
        # the query heads: the group, served by head_chunks CTAs of chunk_heads heads each
        ("group_size", ctypes.c_int32, 272), ("head_chunks", ctypes.c_int32, 276),
        ("chunk_heads", ctypes.c_int32, 280),
+       ("table_window", ctypes.c_int32, 284),  # the fused append's IdWindow (paged)
        # paged storage (cu/cache_pages.cuh)
        ("block_table", ctypes.c_uint64, 288), ("table_stride", ctypes.c_int64, 296),
        ("scale_token_stride", ctypes.c_int64, 304), ("num_pages", ctypes.c_int32, 312),
