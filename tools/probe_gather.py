@@ -38,6 +38,11 @@ class GatherParams(ctypes.Structure):  # bench.cu's GatherParams, field for fiel
                 + [("sink", ctypes.c_uint64)])
 
 
+def page_bytes(page: int) -> int:
+    """A page holding its rows, then its fp32 scales, padded to 128 bytes (--scale-place page)."""
+    return -(-(page * H * (D + 4)) // 128) * 128
+
+
 def strides(layout: str, seq_len: int, page: int) -> tuple[tuple[int, int, int], tuple]:
     """(batch or page, head, token) byte strides of the rows and of the fp32 scales."""
     span = page or seq_len  # tokens per sequence (contiguous) or per page
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="64,8192;32,4096;128,2048", help="'B,S;B,S;...'")
     parser.add_argument("--pages", default="16,1", help="comma list of page sizes")
     parser.add_argument("--orders", default="random,ordered")
+    parser.add_argument("--scale-place", default="pool",
+                        help="comma list: pool (scales in their own [N, P, Hkv] / [N, Hkv, P] "
+                             "pools) and/or page (each page's scales right after its rows, in "
+                             "the same allocation, pages padded to 128 bytes)")
     parser.add_argument("--splits", type=int, default=8, help="splits per sequence")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
@@ -65,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel.allow_dynamic_shared(shared)
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
-    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} "
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>10} "
           f"{'us':>8} {'p20':>8} {'p80':>8} {'ratio':>6}", flush=True)
     for batch, seq_len in parse_shapes(args.shapes):
         tokens = batch * seq_len
@@ -73,24 +82,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip B={batch} S={seq_len}: under 200 MiB of K and V, or S not a multiple "
                   f"of {16 * WARPS * args.splits}", file=sys.stderr)
             continue
-        k, v = (DeviceArray.empty(tokens * H * D, np.int8, device) for _ in range(2))
+        # room for the caches, or for their padded pages with the scales inside
+        size = max([tokens * H * D] + [(tokens // int(page)) * page_bytes(int(page))
+                                       for page in args.pages.split(",")])
+        k, v = (DeviceArray.empty(size, np.int8, device) for _ in range(2))
         ks, vs = (DeviceArray.empty(tokens * H, np.float32, device) for _ in range(2))
         for seed, array in enumerate((k, v, ks, vs)):
             fill_random(array, seed + 1, stream)
-        variants = [("bnsh", 0, "-"), ("bsnh", 0, "-")] + [
-            (layout, int(page), order) for layout in ("hnd", "nhd")
-            for page in args.pages.split(",") for order in args.orders.split(",")]
+        variants = [("bnsh", 0, "-", "pool"), ("bsnh", 0, "-", "pool")] + [
+            (layout, int(page), order, place) for layout in ("hnd", "nhd")
+            for page in args.pages.split(",") for order in args.orders.split(",")
+            for place in args.scale_place.split(",")]
         base: dict[bool, float] = {}
-        for layout, page, order in variants:
+        for layout, page, order, place in variants:
             table = None
             if page:
                 pages = tokens // page
                 ids = rng.permutation(pages) if order == "random" else np.arange(pages)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
             rows, scales = strides(layout, seq_len, page)
-            for with_scales in (False, True):
-                p = GatherParams(k.ptr, v.ptr, ks.ptr if with_scales else 0,
-                                 vs.ptr if with_scales else 0, table.ptr if table else 0,
+            k_scale, v_scale = ks.ptr, vs.ptr
+            if place == "page":  # the page's scales follow its rows
+                rows = (page_bytes(page),) + rows[1:]
+                scales = (page_bytes(page),) + scales[1:]
+                k_scale, v_scale = k.ptr + page * H * D, v.ptr + page * H * D
+            for with_scales in (False, True) if place == "pool" else (True,):
+                p = GatherParams(k.ptr, v.ptr, k_scale if with_scales else 0,
+                                 v_scale if with_scales else 0, table.ptr if table else 0,
                                  *rows, *scales, seq_len, args.splits,
                                  page.bit_length() - 1 if page else 0,
                                  seq_len // page if page else 0, sink.ptr)
@@ -100,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 base.setdefault(with_scales, stats.median)
                 print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
-                      f"{'fp32' if with_scales else 'none':>6} {stats.median:>8.2f} "
+                      f"{(place + ' fp32') if with_scales else 'none':>10} {stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} "
                       f"{stats.median / base[with_scales]:>6.3f}", flush=True)
             if table is not None:
