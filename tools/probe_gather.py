@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 from benchlib.kernels import bench_kernel, fill_random
 from benchlib.stats import summarize
-from benchlib.workloads import parse_shapes
+from benchlib.workloads import Workload, parse_shapes
+
+from lowlevel_fd.core.binding import layout_strides, scale_strides
+from lowlevel_fd.core.spec import KVCacheSpec
 
 H, D, MIB = 8, 128, 2**20
 MIN_BYTES = 200 * MIB
@@ -43,13 +47,21 @@ def page_bytes(page: int) -> int:
     return -(-(page * H * (D + 4)) // 128) * 128
 
 
+def _contiguous(shape: tuple[int, ...], itemsize: int) -> SimpleNamespace:
+    """An array's shape, C-contiguous byte strides and item size, with nothing allocated: what
+    the library's stride readers look at."""
+    strides = tuple(itemsize * int(np.prod(shape[i + 1:], dtype=np.int64))
+                    for i in range(len(shape)))
+    return SimpleNamespace(shape=shape, strides=strides, itemsize=itemsize)
+
+
 def strides(layout: str, seq_len: int, page: int) -> tuple[tuple[int, int, int], tuple]:
-    """(batch or page, head, token) byte strides of the rows and of the fp32 scales."""
-    span = page or seq_len  # tokens per sequence (contiguous) or per page
-    rows = {"bnsh": (H * span * D, span * D, D), "hnd": (H * span * D, span * D, D),
-            "bsnh": (span * H * D, D, H * D), "nhd": (span * H * D, D, H * D)}[layout]
-    scales = {"bnsh": (H * span, span, 1), "bsnh": (H * span, span, 1),
-              "hnd": (H * span, span, 1), "nhd": (span * H, 1, H)}[layout]
+    """(batch or page, head, token) byte strides of the rows and of the fp32 scales: the
+    benchmark's arrays (benchlib Workload) read by the library's own layout rules."""
+    work = Workload(1, seq_len, num_kv_heads=H, head_dim=D, kv_layout=layout, page_size=page)
+    spec = KVCacheSpec(H, D, kv_layout=layout, page_size=page or None)
+    rows = layout_strides(spec, _contiguous(work.cache_shape, 1))[1:]
+    scales = scale_strides(spec, _contiguous(work.scale_shape, 4))
     return rows, tuple(4 * s for s in scales)
 
 
