@@ -198,61 +198,28 @@ def test_wgmma_splits_merge(rng, stream, causal, wg_rows):
     (64, 1, [1] * 6), (32, 1, [1] * 6), (48, 1, [1, 1, 0, 1, 1, 1]), (32, 2, [2] * 6),
     (32, 1, [1, 3, 1, 1, 2, 1])])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("halves", [True, False])
 def test_wgmma_row_tiles_of_at_most_64_rows(rng, stream, num_q_heads, num_kv_heads, qo_lens,
-                                            causal, halves):
-    """Row tiles of at most 64 rows in the 128-row kernel (multi-query decode, drafts), the
-    two computing warpgroups on alternate KV tiles (halves) or the second one idle. KV of one
-    tile, two, an odd and an even count, a partial last tile; mixed with tiles of more than
-    64 rows (3 x 32: no halves, a ValueError when forced); split and unsplit against the
-    oracle and each other."""
+                                            causal):
+    """Row tiles of at most 64 rows in the 128-row kernel (multi-query decode, drafts: its
+    second computing warpgroup has no rows). KV of one tile, two, an odd and an even count, a
+    partial last tile; mixed with tiles of more than 64 rows (3 x 32); split and unsplit
+    against the oracle and each other."""
     if len(wgmma_choices()) == 1:
         pytest.skip("the warpgroup-MMA kernels need an sm_90 GPU")
     case = MultiCase(qo_lens, [3, 64, 65, 191, 4096, 1000], num_q_heads, num_kv_heads,
                      128).fill(rng)
     case.upload(rng)
-    rows = max(qo_lens) * num_q_heads // num_kv_heads
-    if halves and rows > 64:
-        with case.make_plan() as plan, pytest.raises(ValueError, match="wg_halves: needs"):
-            plan.plan(case.indptr, case.kv_lens, causal=causal, wg_rows=128, wg_halves=True)
-        return
     results = []
     for splits in (None, 3, 1):
         with case.make_plan() as plan:
             plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits,
-                      wgmma=True, wg_rows=128, wg_halves=halves if rows <= 64 else None)
-            assert plan.describe()["wg_halves"] == (halves and rows <= 64)
+                      wgmma=True, wg_rows=128)
             case.run(plan, stream)
             stream.synchronize()
             check(case, causal=causal)
             assert plan.error_flags(stream=stream) == 0
             results.append(case.device["out"].numpy().astype(np.float64))
     assert relative_error(results[1], results[2]) < 2e-3
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("scale_mode, scale_dtype", SCALES)
-@pytest.mark.parametrize("layout, page_size", LAYOUTS)
-def test_wgmma_halves_match_the_oracle(rng, stream, head_dim, dtype, scale_mode, scale_dtype,
-                                       layout, page_size):
-    """The halves (the 128-row kernel's two computing warpgroups on alternate KV tiles of
-    the same <= 64 rows, the planner's default there) over the support matrix: ragged chunks
-    of a group of 8, KV of one tile (the second warpgroup sees nothing), an odd tile count,
-    an empty row; causal and not, split and unsplit."""
-    if not (HAS_GPU and wgmma_available(Device(0).arch, head_dim)):
-        pytest.skip("the warpgroup-MMA kernels need an sm_90 GPU")
-    case = MultiCase([1, 5, 0, 8, 3], [1, 37, 10, 700, 300], 16, 2, head_dim, layout,
-                     page_size, scale_mode, scale_dtype, dtype).fill(rng)
-    case.upload(rng)
-    for causal, splits in itertools.product((True, False), (None, 3)):
-        with case.make_plan() as plan:
-            plan.plan(case.indptr, case.kv_lens, causal=causal, num_splits=splits, wg_rows=128)
-            assert plan.describe()["wg_halves"]
-            case.run(plan, stream)
-            stream.synchronize()
-            check(case, causal=causal)
-            assert plan.error_flags(stream=stream) == 0
 
 
 def test_long_prefill_rows_match_the_oracle(rng, stream):

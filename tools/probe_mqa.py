@@ -6,8 +6,7 @@ one query token per sequence: which kernel family streams the shared KV head bet
 Needs torch and a GPU. L2-honest: L >= 2 layers with distinct caches per graph replay, L x KV
 bytes >= 200 MiB; us per layer (median of 30 replays); % of the read reference measured in the
 same run. MultiPlan is timed at every kernel (mma.sync with ksplit 1 or split warps; on sm_90
-the warpgroup kernels with CTAs of 128 rows (both computing warpgroups on alternate KV tiles, and
-the second one idle) and of 64 rows) x num_splits setting; the best and the
+the warpgroup kernels with CTAs of 128 and of 64 rows) x num_splits setting; the best and the
 planner's own pick are reported; each MultiPlan output is compared with decode's.
 """
 from __future__ import annotations
@@ -65,7 +64,6 @@ def main(argv=None) -> int:
                    f"ksplit {ksplits(D)[-1]}": {"ksplit": ksplits(D)[-1], "wgmma": False}}
         if wgmma_ok:
             kernels.update({f"wgmma {rows}": {"wg_rows": rows} for rows in WG_ROWS})
-            kernels["wgmma 128, one warpgroup idle"] = {"wg_rows": 128, "wg_halves": False}
         kernels["planner"] = {}
         diff = 0.0
         for (name, options), splits in itertools.product(kernels.items(), (None, 1, 2, 4, 8)):

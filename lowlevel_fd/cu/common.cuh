@@ -12,11 +12,6 @@ typedef unsigned long long uint64_t;
 
 namespace llfd {
 
-// A compile-time bool as a value: a loop instantiated once per path (a generic lambda called
-// with BoolTag<true>{} or BoolTag<false>{}), each with its constants folded.
-template <bool B>
-struct BoolTag { static constexpr bool value = B; };
-
 // Storage tags for 16-bit floats; values travel as raw uint16_t bits.
 struct f16 {};
 struct bf16 {};

@@ -19,6 +19,10 @@
 
 namespace llfd {
 
+// A compile-time bool as a value: the decode loop is instantiated once per page path.
+template <bool B>
+struct BoolTag { static constexpr bool value = B; };
+
 template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
 struct PagedTiles {
   using S = Stage<HEAD_DIM, ScaleT, TILES, true>;

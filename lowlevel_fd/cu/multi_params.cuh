@@ -53,12 +53,9 @@ struct MultiParams {
   // split's first tiles when they lie before its chunk are read before the previous kernel
   // on the stream has finished; q, the rest of the cache and every write wait for it.
   int32_t early_reads;
-  // 1 (multi_wg.cu, every row tile at most 64 rows): the two computing warpgroups take the
-  // same rows and alternate KV tiles, merged in shared memory at the end.
-  int32_t wg_halves;
 };
 
-static_assert(sizeof(MultiParams) == 288, "keep in sync with lowlevel_fd/multi/params.py");
+static_assert(sizeof(MultiParams) == 280, "keep in sync with lowlevel_fd/multi/params.py");
 
 // Sequence b's query rows of a KV head, packed token-major (row r is token r / group, query
 // head kvh * group + r % group), cut into tiles of the kernel's rows per CTA. Device

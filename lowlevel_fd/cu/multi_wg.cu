@@ -17,10 +17,6 @@
 // with copy c). Each computing warpgroup issues S(j + 1) and P(j) V(j) together and runs the
 // softmax of S(j + 1) while P(j) V(j) is on the tensor cores; the two take turns to issue
 // (two more named barriers: FA3's ping-pong), so one's softmax overlaps the other's products.
-// Halves (MultiParams::wg_halves, every row tile at most 64 rows: multi-query decode, drafts):
-// the second warpgroup would idle, so both take the tile's rows and alternate KV tiles
-// (warpgroup w the tiles w, w + 2, ...), each copy handed to its owner alone (four copies: each
-// warpgroup holds two), their softmax states merged through shared memory after the loop.
 // Splits, their partials and the merge are multi.cu's (the same workspace and counters).
 #include "multi_wg_rows.cuh"
 
@@ -35,10 +31,6 @@ struct WgBarriers {
   __device__ static __forceinline__ int empty(int copy) { return 3 + 2 * COPIES + copy; }
   // The computing warpgroups' turns on the tensor cores (3 copies leave room for them).
   __device__ static __forceinline__ int turn(int wg) { return 3 + 3 * COPIES + wg; }
-  // Halves: copy c (of four) is the owner's, warpgroup c % 2; FULL and EMPTY one each.
-  static_assert(3 + 2 * 4 <= 3 + 3 * COPIES, "the halves' barriers below the turns");
-  __device__ static __forceinline__ int half_full(int copy) { return 3 + copy; }
-  __device__ static __forceinline__ int half_empty(int copy) { return 7 + copy; }
 };
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -68,7 +60,6 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   constexpr bool kTokenScales = SCALE_MODE == kScalePerToken;
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ int is_last;
-  __shared__ float half_lse[2 * 128];  // halves: warpgroup 1's row LSEs (wg_merge_halves)
   char* const smem = swizzle_aligned(smem_raw);
   const uint32_t base = shared_address(smem);
 
@@ -83,6 +74,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int row0 = work.row0, tile_rows = work.tile_rows, active = work.active;
   const int start = work.start, end = work.end;
   const int tiles = work.tiles();
+  auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
+    return L::kCopy0 + j % kCopies * L::kCopyBytes;
+  };
 
   if (wg == 0) {
     // ---- loading warpgroup: tile j landed -> tile j + kStages - 1 issued into the stage of
@@ -94,48 +88,26 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kLoadThreads, !PAGED>
         loader(b, kvh);
     loader.prime<kStages>(p, base, L::kStageBytes, start, end);
-    // Once per hand-over protocol (halves or not), so that the barrier ids and copy slots
-    // are constants: with them at run time the loader's 72 registers spilled.
-    auto load = [&](auto halves_tag) __attribute__((always_inline)) {
-      constexpr bool kHalves = decltype(halves_tag)::value;
-      constexpr int kSlots = kHalves ? L::kHalfCopies : kCopies;
 #pragma unroll 1
-      for (int j = 0; j < tiles; ++j) {
-        const int st = j % kStages;
-        cp_async_wait<kStages - 2>();
-        loader.widen(smem + st * L::kStageBytes, st);
-        named_sync(B::kLoad, L::kLoadThreads);  // tile j visible; tile j - 1's stage read
-        const int t_issue = start + (j + kStages - 1) * L::kTokens;
-        const int issue_stage = (j + kStages - 1) % kStages;
-        if (t_issue < end) {
-          loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
-          loader.fetch(p, t_issue + L::kTokens, end);
-        }
-        cp_async_commit();
-        const int slot = j % kSlots;
-        if (j >= kSlots) {
-          if constexpr (kHalves) {
-            named_sync(B::half_empty(slot), L::kLoadThreads + 128);
-          } else {
-            named_sync(B::empty(slot), L::kThreads);
-          }
-        }
-        // (Halves: a fourth copy slot beside the stage index left no registers for the batch.)
-        widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales, kReadFirst && !kHalves>(
-            smem + st * L::kStageBytes, smem + L::kCopy0 + slot * L::kCopyBytes);
-        fence_proxy_async();
-        if constexpr (kHalves) {
-          named_arrive(B::half_full(slot), L::kLoadThreads + 128);
-        } else {
-          named_arrive(B::full(slot, 0), L::kLoadThreads + 128);
-          named_arrive(B::full(slot, 1), L::kLoadThreads + 128);
-        }
+    for (int j = 0; j < tiles; ++j) {
+      const int st = j % kStages;
+      cp_async_wait<kStages - 2>();
+      loader.widen(smem + st * L::kStageBytes, st);
+      named_sync(B::kLoad, L::kLoadThreads);  // tile j visible; tile j - 1's stage read
+      const int t_issue = start + (j + kStages - 1) * L::kTokens;
+      const int issue_stage = (j + kStages - 1) % kStages;
+      if (t_issue < end) {
+        loader.issue(p, base + issue_stage * L::kStageBytes, issue_stage, t_issue, end);
+        loader.fetch(p, t_issue + L::kTokens, end);
       }
-    };
-    if (p.wg_halves)
-      load(BoolTag<true>{});
-    else
-      load(BoolTag<false>{});
+      cp_async_commit();
+      if (j >= kCopies) named_sync(B::empty(j % kCopies), L::kThreads);
+      widen_tile<HEAD_DIM, L::kCtaRows, kTokenScales, kReadFirst>(smem + st * L::kStageBytes,
+                                                                 smem + copy_offset(j));
+      fence_proxy_async();
+      named_arrive(B::full(j % kCopies, 0), L::kLoadThreads + 128);
+      named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
+    }
     cp_async_wait<0>();
     if constexpr (PAGED)
       if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
@@ -145,11 +117,9 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // ---- computing warpgroups ----
   set_max_registers<216>();
   const int cw = wg - 1;
-  const bool halves = p.wg_halves != 0;  // uniform over the CTA
-  // This warpgroup's rows (halves: the tile's, for both); this lane's rows r_lo and r_lo + 8
-  // (the accumulator layout). The warpgroup computes tiles before wg_limit; tiles before
-  // wg_full need no mask.
-  const int wg_row0 = halves ? row0 : row0 + 64 * cw;
+  // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
+  // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.
+  const int wg_row0 = row0 + 64 * cw;
   const bool wg_active = wg_row0 < sr.rows;
   const int wg_limit = wg_active ? min(end, sr.limit(p, min(wg_row0 + 63, sr.rows - 1))) : 0;
   const int wg_full = wg_active && wg_row0 + 63 < sr.rows ? min(end, sr.limit(p, wg_row0)) : 0;
@@ -165,6 +135,16 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   float row_const[2], v_const;
   wg_load_query<HEAD_DIM, SCALE_MODE, QT>(qa, row_const, v_const, p, sr, kvh, r_lo, warp % 4,
                                           lane, smem + L::kQ16 + cw * L::kBlocks * L::kBlockBytes);
+  auto acquire = [&](int j) __attribute__((always_inline)) {  // tile j's copy is widened
+    named_sync(B::full(j % kCopies, cw), L::kLoadThreads + 128);
+  };
+  auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done with it
+    if (j + kCopies < tiles) named_arrive(B::empty(j % kCopies), L::kThreads);
+  };
+  auto copy_address = [&](int j) __attribute__((always_inline)) {
+    return base + copy_offset(j);
+  };
+
   float o[kOut];
 #pragma unroll
   for (int i = 0; i < kOut; ++i) o[i] = 0.f;
@@ -174,6 +154,17 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   uint32_t a[kKT][4], a_next[kKT][4];
   float corr[2] = {1.f, 1.f};
   KScales<HEAD_DIM, kTokenScales> ks;
+  auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
+    const int col0 = start + j * L::kTokens;
+    // Masked where some row of the warpgroup stops inside the tile.
+    softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const, ks,
+                                         smem + copy_offset(j), col0 + L::kTokens > wg_full,
+                                         col0, visible, c);
+  };
+  auto computes = [&](int j) __attribute__((always_inline)) {
+    return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
+  };
+
   // Ping-pong: the warpgroups take turns to issue their products (turn(w): warpgroup w's),
   // so that one's softmax runs while the other's products do. Every warpgroup takes a turn
   // per step, computing or not; the last hand-over of warpgroup 1 is left out (nobody waits
@@ -184,108 +175,61 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   auto their_turn = [&](bool last) __attribute__((always_inline)) {
     if (!(cw == 1 && last)) named_arrive(B::turn(1 - cw), 256);
   };
-  // Tile j's copy, its hand-overs and this warpgroup's tiles (first, first + stride, ...,
-  // `steps` of them; halves: both warpgroups take the same count, the last one past the
-  // range where `tiles` is odd), fixed per protocol: one instantiation of the loop each (with
-  // the protocol chosen at run time the computing warpgroups' 216 registers spilled).
-  auto run_tiles = [&](auto halves_tag) __attribute__((always_inline)) {
-    constexpr bool kHalves = decltype(halves_tag)::value;
-    constexpr int kSlots = kHalves ? L::kHalfCopies : kCopies, stride = kHalves ? 2 : 1;
-    const int first = kHalves ? cw : 0, steps = kHalves ? (tiles + 1) / 2 : tiles;
-    auto copy_offset = [&](int j) __attribute__((always_inline)) {  // tile j's widened copy
-      return L::kCopy0 + j % kSlots * L::kCopyBytes;
-    };
-    auto acquire = [&](int j) __attribute__((always_inline)) {  // tile j's copy is widened
-      named_sync(kHalves ? B::half_full(j % kSlots) : B::full(j % kSlots, cw),
-                 L::kLoadThreads + 128);
-    };
-    auto release = [&](int j) __attribute__((always_inline)) {  // this warpgroup is done
-      if (j + kSlots < tiles) {
-        if constexpr (kHalves) {
-          named_arrive(B::half_empty(j % kSlots), L::kLoadThreads + 128);
-        } else {
-          named_arrive(B::empty(j % kSlots), L::kThreads);
-        }
-      }
-    };
-    auto copy_address = [&](int j) __attribute__((always_inline)) {
-      return base + copy_offset(j);
-    };
-    auto softmax = [&](int j, uint32_t (&p_out)[kKT][4]) __attribute__((always_inline)) {
-      const int col0 = start + j * L::kTokens;
-      // Masked where some row of the warpgroup stops inside the tile.
-      softmax_tile<HEAD_DIM, kTokenScales>(s, p_out, m, l, vr, corr, row_const, ks,
-                                           smem + copy_offset(j), col0 + L::kTokens > wg_full,
-                                           col0, visible, c);
-    };
-    auto computes = [&](int j) __attribute__((always_inline)) {
-      return j < tiles && start + j * L::kTokens < wg_limit;  // uniform over the warpgroup
-    };
-
-    if (tiles > 0) {
-      if (cw == 1) their_turn(false);
-      if (first < tiles) acquire(first);
-      my_turn();
-      if (computes(first)) {
-        wgmma_fence();
-        issue_scores<HEAD_DIM>(s, qa, copy_address(first));
-        their_turn(false);
-        ks.load(smem + copy_offset(first), c);
-        wgmma_wait<0>();
-        fence_operands(s);
-        softmax(first, a);
-      } else {
-        their_turn(false);
-      }
+  if (tiles > 0) {
+    if (cw == 1) their_turn(false);
+    acquire(0);
+    my_turn();
+    if (computes(0)) {
+      wgmma_fence();
+      issue_scores<HEAD_DIM>(s, qa, copy_address(0));
+      their_turn(false);
+      ks.load(smem + copy_offset(0), c);
+      wgmma_wait<0>();
+      fence_operands(s);
+      softmax(0, a);
+    } else {
+      their_turn(false);
     }
-    // One step: tile j = first + i x stride, its successor nx; P(j) in `cur`, the softmax of
-    // S(nx) writes `nxt` (P(j)'s registers are the operand in flight). The loop alternates the
-    // two sets (a copy between them made ptxas serialize every wgmma).
-    auto tile_step = [&](int i, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
-        __attribute__((always_inline)) {
-      const int j = first + i * stride, nx = j + stride;
-      if (nx < tiles) acquire(nx);
-      // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
-      // pair serializes every wgmma); S(nx) past the warpgroup's rows or the range is computed
-      // from a stale copy of the warpgroup's own (no write in flight) and dropped.
-      my_turn();
-      if (computes(j)) {
-        rescale_rows(o, corr);
-        wgmma_fence();
-        issue_scores<HEAD_DIM>(s, qa, copy_address(nx));
-        issue_values<HEAD_DIM>(o, cur, copy_address(j));
-        their_turn(i + 1 == steps);
-        ks.load(smem + copy_offset(nx), c);  // acquired, or a stale copy nobody writes
-        wgmma_wait<1>();
-        fence_operands(s);
-        // computes() only turns false: a tile it skips is never P V's operand, so nxt and corr
-        // are left as they are.
-        if (computes(nx)) softmax(nx, nxt);
-        wgmma_wait<0>();
-        fence_operands(o);
-      } else {
-        their_turn(i + 1 == steps);
-      }
-      release(j);
-    };
-#pragma unroll 1
-    for (int i = 0; i < steps; i += 2) {
-      tile_step(i, a, a_next);
-      if (i + 1 < steps) tile_step(i + 1, a_next, a);
+  }
+  // One tile; P(j) in `cur`, the softmax of S(j + 1) writes `nxt` (P(j)'s registers are the
+  // operand in flight). The loop alternates the two sets (a copy between them made ptxas
+  // serialize every wgmma).
+  auto tile_step = [&](int j, uint32_t (&cur)[kKT][4], uint32_t (&nxt)[kKT][4])
+      __attribute__((always_inline)) {
+    if (j + 1 < tiles) acquire(j + 1);
+    // Issue and waits stay in one branch (a wgmma group that crosses a branch ptxas cannot
+    // pair serializes every wgmma); S(j + 1) past the warpgroup's rows or the range is
+    // computed from a stale copy and dropped.
+    my_turn();
+    if (computes(j)) {
+      rescale_rows(o, corr);
+      wgmma_fence();
+      issue_scores<HEAD_DIM>(s, qa, copy_address(j + 1));
+      issue_values<HEAD_DIM>(o, cur, copy_address(j));
+      their_turn(j + 1 == tiles);
+      ks.load(smem + copy_offset(j + 1), c);  // acquired, or a stale copy nobody writes
+      wgmma_wait<1>();
+      fence_operands(s);
+      // computes() only turns false: a tile it skips is never P V's operand, so nxt and corr
+      // are left as they are.
+      if (computes(j + 1)) softmax(j + 1, nxt);
+      wgmma_wait<0>();
+      fence_operands(o);
+    } else {
+      their_turn(j + 1 == tiles);
     }
+    release(j);
   };
-  if (halves)
-    run_tiles(BoolTag<true>{});
-  else
-    run_tiles(BoolTag<false>{});
-  if (halves)  // warpgroup 0 then holds both halves' rows in wg_store_rows's terms
-    wg_merge_halves<HEAD_DIM>(o, m, l, vr.shift, cw,
-                              reinterpret_cast<float*>(smem + L::kQ16), half_lse);
+#pragma unroll 1
+  for (int j = 0; j < tiles; j += 2) {
+    tile_step(j, a, a_next);
+    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
+  }
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
-  if (halves ? cw == 0 : wg_active)
+  if (wg_active)
     wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
                                             r_lo, c, part, active);
   if (active == 1) return;

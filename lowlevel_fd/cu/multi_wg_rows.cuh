@@ -88,52 +88,6 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
   }
 }
 
-// Halves (MultiParams::wg_halves): the two computing warpgroups hold the same rows over
-// alternate KV tiles. Warpgroup 1 leaves its rows normalised (O / l) with their base-2 LSEs
-// in `xo` (HEAD_DIM / 2 floats per thread: the Q staging, unused after the loop) and `xlse`;
-// warpgroup 0 folds them into its own and leaves the sum in wg_store_rows's terms (m the
-// merged LSE, shift 0, l a quarter per lane of the row's quad). Rows neither saw: LSE -inf, O 0.
-template <int HEAD_DIM>
-__device__ __forceinline__ void wg_merge_halves(float (&o)[HEAD_DIM / 2], float (&m)[2],
-                                                float (&l)[2], float& shift, int cw, float* xo,
-                                                float* xlse) {
-  using Team = MergeTeam<256>;  // the computing warpgroups' barrier
-  constexpr int kOut = HEAD_DIM / 2;
-  const int t = threadIdx.x % 128;
-  float lse[2], inv[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float sum = warp_sum_xor(l[hr], 2);
-    lse[hr] = sum > 0.f ? m[hr] + shift + __log2f(sum) : kNegInf;
-    inv[hr] = sum > 0.f ? 1.f / sum : 0.f;
-  }
-  Team::sync();  // both loops done: nobody reads the Q staging any more
-  if (cw == 1) {
-#pragma unroll
-    for (int i = 0; i < kOut; ++i) xo[i * 128 + t] = o[i] * inv[(i >> 1) & 1];
-    xlse[t] = lse[0];
-    xlse[128 + t] = lse[1];
-  }
-  Team::sync();
-  if (cw != 0) return;
-  float mine[2], theirs[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const float other = xlse[128 * hr + t], best = fmaxf(lse[hr], other);
-    const float w0 = best == kNegInf ? 0.f : exp2f(lse[hr] - best);
-    const float w1 = best == kNegInf ? 0.f : exp2f(other - best);
-    const float total = w0 + w1;
-    mine[hr] = total > 0.f ? w0 * inv[hr] / total : 0.f;
-    theirs[hr] = total > 0.f ? w1 / total : 0.f;
-    m[hr] = total > 0.f ? best + __log2f(total) : kNegInf;
-    l[hr] = 0.25f;
-  }
-#pragma unroll
-  for (int i = 0; i < kOut; ++i)
-    o[i] = o[i] * mine[(i >> 1) & 1] + xo[i * 128 + t] * theirs[(i >> 1) & 1];
-  shift = 0.f;
-}
-
 // O *= the softmax's correction of its rows (skipped when no lane's changed).
 template <int N>
 __device__ __forceinline__ void rescale_rows(float (&o)[N], const float (&corr)[2]) {

@@ -42,15 +42,10 @@ struct WgLayout {
   // are read (three left named barriers for the ping-pong; four measured no faster,
   // multi_wg.cu). 64 rows: j + 1 written while j is read.
   static constexpr int kCopies = ROWS == 128 ? 3 : 2;
-  // 128 rows, row tiles of at most 64 (MultiParams::wg_halves): each computing warpgroup
-  // holds two copies of its own tiles at once (S of the next, P V of this one), so four.
-  static constexpr int kHalfCopies = 4;
   static constexpr int kCopy0 = kStages * kStageBytes;
-  // The warpgroups' fp16 Q ([warpgroup][block][64][64]), read once into registers (at 128
-  // rows also the halves' exchange after the loop); at 64 rows staged in copy 1, written
-  // first in the loop's first step.
-  static constexpr int kQ16 =
-      ROWS == 128 ? kCopy0 + kHalfCopies * kCopyBytes : kCopy0 + kCopyBytes;
+  // The warpgroups' fp16 Q ([warpgroup][block][64][64]), read once into registers: one
+  // warpgroup stages it in copy 1, written first in the loop's first step.
+  static constexpr int kQ16 = ROWS == 128 ? kCopy0 + kCopies * kCopyBytes : kCopy0 + kCopyBytes;
   static constexpr int kBytes =
       ROWS == 128 ? kQ16 + 2 * kBlocks * kBlockBytes : kCopy0 + kCopies * kCopyBytes;
   static_assert(ROWS == 128 || kBlocks * kBlockBytes <= kCopyBytes, "Q fits a copy");

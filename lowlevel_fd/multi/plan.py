@@ -96,7 +96,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
              num_splits: int | None = None, ksplit: int | None = None,
              tree: bool = False, wgmma: bool | None = None,
-             wg_rows: int | None = None, wg_halves: bool | None = None) -> "MultiPlan":
+             wg_rows: int | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
         ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
         ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
@@ -106,16 +106,10 @@ class MultiPlan(OnCache, CreatedFromOptions):
         warpgroup-MMA kernels (sm_90, head_dim 64/128, whole tiles per warpgroup); None lets
         the planner pick them wherever they apply. ``wg_rows`` (implies ``wgmma=True``): the
         warpgroup kernel's query rows per CTA, 128 (two warpgroups) or 64 (one, two CTAs per
-        SM); by default the planner's, or the smaller that holds a sequence's rows.
-        ``wg_halves``: where the 128-row kernel runs row tiles of at most 64 rows (every
-        sequence's qo_len x group <= 64: multi-query decode, drafts), its two computing
-        warpgroups take the same rows and alternate KV tiles (True, the default there) or
-        the second one idles (False)."""
+        SM); by default the planner's, or the smaller that holds a sequence's rows."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
-        if wg_halves is not None:
-            check.flag("wg_halves", wg_halves)
         if wgmma is not None:
             check.flag("wgmma", wgmma)
         if num_splits is not None:  # checked before anything is compiled or loaded
@@ -131,13 +125,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
         if ksplit is None:
             ksplit = (allowed[-1] if tree else 1 if use_wgmma else
                       choose_ksplit(qo_lens, self.group_size, self.head_dim))
-        halves = use_wgmma and wg_rows == 128 and int(qo_lens.max()) * self.group_size <= 64
-        if wg_halves and not halves:
-            raise ValueError(f"wg_halves: needs the 128-row warpgroup kernel and at most 64 "
-                             f"query rows per sequence and KV head, got "
-                             f"{'wg_rows ' + str(wg_rows) if use_wgmma else 'the mma.sync kernel'}"
-                             f" and {int(qo_lens.max()) * self.group_size} rows")
-        halves = halves if wg_halves is None else wg_halves
         self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma, wg_rows)
         threads = self.variant.threads
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
@@ -161,7 +148,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
         p.num_splits, p.min_split_tokens = splits, min_tokens
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
-        p.wg_halves = int(halves)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         # The mma.sync kernel waits for the previous kernel itself (early_reads, run): on sm_90
@@ -174,7 +160,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
             "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
             "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
-            "wg_halves": halves,
             "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens,
             "tile_tokens": self.variant.tile_tokens,

@@ -115,8 +115,7 @@ class MultiVariant:
         m-block and 16-dim chunk); reused after the loop by the warps' merge (KSPLIT: every
         lane's accumulators) and the split merge. The warpgroup kernels (WgLayout::kBytes):
         int8 stages (three; two at 64 rows), widened tiles (fp16 K and V, their fp32 scales in
-        rows of 20 floats per lane and two V maxima, 1 KB aligned: four, of which three in use
-        unless the row tiles are halves; two at 64 rows), the
+        rows of 20 floats per lane and two V maxima, 1 KB aligned: three; two at 64 rows), the
         computing warpgroups' fp16 Q (64 rows each; at 64 rows staged in the second widened
         tile), and 1 KB to align them."""
         if self.wgmma:
@@ -126,7 +125,7 @@ class MultiVariant:
             if self.wg_rows == 64:
                 return 2 * self.stage_bytes + 2 * copy + 1024
             query = 2 * 64 * self.head_dim * 2
-            return STAGES * self.stage_bytes + 4 * copy + query + 1024
+            return STAGES * self.stage_bytes + 3 * copy + query + 1024
         query = (THREADS // 32) * self.row_blocks * (self.head_dim // 16) * 32 * 16
         return STAGES * self.stage_bytes + query
 
