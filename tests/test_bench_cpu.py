@@ -14,6 +14,7 @@ import bench
 import tune
 from benchlib import kernels, report, stats, workloads
 from benchlib.workloads import GIB, L2_HONEST_BYTES, MAX_LAYERS, MIB, Workload, layer_count
+from benchlib.pages import PAGE_ORDERS, page_ids
 from lowlevel_fd.compiler import KERNEL_DIR
 from lowlevel_fd.decode.planner import DEFAULT_WARPS, TileConfig
 
@@ -295,3 +296,27 @@ def test_probe_gather_strides_are_the_cache_layouts():
         kv, sc = np.empty(shape, np.int8), np.empty(scale_shape, np.float32)
         assert rows == tuple(kv.strides[i] for i in axes), layout
         assert scales == tuple(sc.strides[i] for i in scale_axes), layout
+
+
+@pytest.mark.parametrize("order", PAGE_ORDERS)
+def test_page_orders_are_permutations_with_their_locality(order):
+    """benchlib.pages.page_ids: every order is a permutation of the pool's pages; "window"
+    keeps each 2 MiB of pages within its 2 MiB, "runs" keeps each 2 MiB run consecutive."""
+    rng = np.random.default_rng(3)
+    per = (2 << 20) // 16384  # pages of 16 KiB per 2 MiB
+    ids = page_ids(order, 5 * per + 7, 16384, rng)
+    assert sorted(ids.tolist()) == list(range(5 * per + 7))
+    if order == "window":
+        assert all(ids[i] // per == i // per for i in range(ids.size))
+        assert not np.array_equal(ids, np.arange(ids.size))
+    if order == "runs":
+        i = 0
+        while i < ids.size:  # each run: an aligned 2 MiB of pages (the last one short), whole
+            start = int(ids[i])
+            length = min(per, ids.size - start)
+            assert start % per == 0
+            assert np.array_equal(ids[i:i + length], np.arange(start, start + length))
+            i += length
+        assert not np.array_equal(ids, np.arange(ids.size))
+    with pytest.raises(ValueError, match="page order: expected one of"):
+        page_ids("sorted", 4, 16384, rng)

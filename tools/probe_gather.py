@@ -2,7 +2,8 @@
 """The memory system's price of each KV layout, without any attention math: bench.cu's
 gather_tiles streams K, V and per-token scales exactly as the decode kernel issues them (one
 KV head per CTA, 8 warps, 16-token tiles through 2-stage cp.async pipelines), over contiguous
-caches (bnsh, bsnh) and over pages (hnd, nhd) in random or physical order. The decode kernel
+caches (bnsh, bsnh) and over pages (hnd, nhd) in random or physical order (or 2 MiB-local:
+benchlib.pages.page_ids). The decode kernel
 cannot beat its layout's row here; PERF_NOTES v17 compares the two.
 
     PYTHONPATH=.:tools python3 tools/probe_gather.py --shapes '64,8192;32,4096' --pages 16,1
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from benchlib.kernels import bench_kernel, fill_random
+from benchlib.pages import page_ids
 from benchlib.stats import summarize
 from benchlib.workloads import Workload, parse_shapes
 
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="64,8192;32,4096;128,2048", help="'B,S;B,S;...'")
     parser.add_argument("--pages", default="16,1", help="comma list of page sizes")
-    parser.add_argument("--orders", default="random,ordered")
+    parser.add_argument("--orders", default="random,ordered",
+                        help="comma list of page orders: random, ordered, window, runs")
     parser.add_argument("--scale-place", default="pool",
                         help="comma list: pool (scales in their own [N, P, Hkv] / [N, Hkv, P] "
                              "pools) and/or page (each page's scales right after its rows, in "
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             table = None
             if page:
                 pages = tokens // page
-                ids = rng.permutation(pages) if order == "random" else np.arange(pages)
+                ids = page_ids(order, pages, page * H * D, rng)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
             rows, scales = strides(layout, seq_len, page)
             k_scale, v_scale = ks.ptr, vs.ptr

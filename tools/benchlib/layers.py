@@ -10,7 +10,7 @@ from lowlevel_fd.driver.dtypes import as_dtype
 from lowlevel_fd.reference import decode_attention_ref
 
 from .kernels import fill_random
-from .pages import bnsh_from_pages
+from .pages import bnsh_from_pages, page_ids
 from .workloads import Workload
 
 # int8 bytes uniform on [-128, 127] have a standard deviation of ~74: scales around 1/74 give
@@ -53,13 +53,13 @@ class LayerSet:
                 self.host_q0 = q
             self.layers.append(arrays)
         # Paged: one block table for every layer (as in an engine), the pages of each
-        # sequence in random physical order unless the workload asks for them in order.
+        # sequence in random physical order unless the workload asks for another (page_ids).
         self.table = None
         self.pages: dict = {}
         if workload.page_size:
             count = workload.num_pages
-            order = (rng.permutation(count) if workload.page_order == "random"
-                     else np.arange(count))
+            order = page_ids(workload.page_order, count,
+                             workload.page_size * workload.num_kv_heads * workload.head_dim, rng)
             self.table = order.reshape(workload.batch, workload.pages_per_seq).astype(np.int32)
             self.pages = {"block_table": DeviceArray.from_numpy(self.table, device)}
         stream.synchronize()

@@ -52,7 +52,7 @@ class Workload:
     q_dtype: str = "float16"
     ragged: bool = False
     page_size: int = 0  # 0: a contiguous cache; else pages (kv_layout nhd or hnd)
-    page_order: str = "random"  # physical page order: "random" (fragmented) or "ordered"
+    page_order: str = "random"  # physical page order: benchlib.pages.PAGE_ORDERS
 
     @property
     def pages_per_seq(self) -> int:
@@ -142,7 +142,8 @@ class Workload:
         return (f"B={self.batch} S={self.seq_len} H={self.num_q_heads}/{self.num_kv_heads} "
                 f"D={self.head_dim} {self.kv_layout} {self.mode_label} {self.q_label}"
                 + (f" page {self.page_size}" if self.page_size else "")
-                + (" in order" if self.page_size and self.page_order == "ordered" else "")
+                + (f" {self.page_order}" if self.page_size and self.page_order != "random"
+                   else "")
                 + (" ragged" if self.ragged else ""))
 
     def as_dict(self) -> dict:
