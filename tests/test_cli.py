@@ -51,15 +51,18 @@ def cli_env(cache: Path) -> dict[str, str]:
     return dict(os.environ, LOWLEVEL_FD_CACHE_DIR=str(cache), PYTHONPATH=path)
 
 
-def run_python(*args: str, cache: Path, cwd: Path) -> subprocess.CompletedProcess:
+def run_python(*args: str, cache: Path, cwd: Path,
+               timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=cli_env(cache),
-                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="session")
 def run_cli(elsewhere: Path):
-    def run(*args: str, cache: Path) -> subprocess.CompletedProcess:
-        return run_python("-m", "lowlevel_fd", *args, cache=cache, cwd=elsewhere)
+    def run(*args: str, cache: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+        return run_python("-m", "lowlevel_fd", *args, cache=cache, cwd=elsewhere,
+                          timeout=timeout)
     return run
 
 
@@ -137,7 +140,9 @@ def test_there_is_no_bench_command(run_cli, session_cache):
 def compiled_sm90(run_cli, tmp_path_factory) -> subprocess.CompletedProcess:
     """`compile --arch sm_90` on a fresh cache, run once for the session (2009 NVRTC
     compiles)."""
-    return run_cli("compile", "--arch", "sm_90", cache=tmp_path_factory.mktemp("compile-cache"))
+    # 11-15 minutes on CI's two cores (2081 kernels): a limit with room for a slow machine.
+    return run_cli("compile", "--arch", "sm_90", cache=tmp_path_factory.mktemp("compile-cache"),
+                   timeout=2400)
 
 
 def test_compile_builds_every_shipped_kernel_once_for_sm90(compiled_sm90):
