@@ -374,8 +374,15 @@ for rows, kernel in zip(multi.WG_ROWS, multi.WG):
              multi.test_graph_replay_follows_new_lengths_and_matches_eager(rng, stream, kernel),
              multi.test_any_sign_of_the_score_scale(rng, stream, kernel, -0.1, 1.0)))
 case("extend early reads after the chunk's writer, paged hnd page 16 early reads",
-     lambda rng, stream: (multi.test_early_reads_see_the_chunk_written_just_before(rng, stream),
-                          multi.test_early_reads_change_no_bit(rng, stream, "hnd", 16)))
+     lambda rng, stream: (
+         multi.test_early_reads_see_the_chunk_written_just_before(rng, stream, multi.MMA),
+         multi.test_early_reads_change_no_bit(rng, stream, "hnd", 16, multi.MMA)))
+for rows, kernel in zip(multi.WG_ROWS, multi.WG):
+    case(f"extend wgmma {rows} rows: early reads after the chunk's writer, paged nhd page 1 "
+         f"early reads (sm_90)",
+         lambda rng, stream, kernel=kernel: len(multi.wgmma_choices()) > 1 and (
+             multi.test_early_reads_see_the_chunk_written_just_before(rng, stream, kernel),
+             multi.test_early_reads_change_no_bit(rng, stream, "nhd", 1, kernel)))
 case("extend device guards",
      lambda rng, stream: multi.test_device_guards_flag_and_write_nothing(rng, stream, multi.MMA))
 case("extend bad page ids",

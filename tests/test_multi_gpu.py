@@ -113,15 +113,17 @@ def test_speculative_shapes_split_the_kv_and_merge(rng, stream, qo_len, causal, 
 
 
 @pytest.mark.parametrize("layout, page_size", [("bnsh", None), ("hnd", 16), ("nhd", 1)])
-def test_early_reads_change_no_bit(rng, stream, layout, page_size):
-    """run(early_reads=True), eager and in a graph, against the waiting run: the same bits.
-    Splits whose first tiles reach the chunk (short sequences) prime after the wait, the
-    others before it; a zero-length chunk flags nothing."""
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_early_reads_change_no_bit(rng, stream, layout, page_size, kernel):
+    """run(early_reads=True), eager and in a graph, against the waiting run: the same bits,
+    on every kernel. Splits whose first tiles reach the chunk (short sequences) prime after
+    the wait, the others before it; a zero-length chunk flags nothing."""
     case = MultiCase([4, 4, 1, 8, 0], [4099, 777, 4096, 2048, 5], 32, 8, 128, layout,
                      page_size).fill(rng)
     d = case.upload(rng)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, **kernel)
+        assert plan.describe()["programmatic"]
         results = []
         for early in (False, True):
             case.run(plan, stream, early_reads=early)
@@ -139,10 +141,11 @@ def test_early_reads_change_no_bit(rng, stream, layout, page_size):
         assert plan.error_flags(stream=stream) == 0
 
 
-def test_early_reads_see_the_chunk_written_just_before(rng, stream):
+@pytest.mark.parametrize("kernel", wgmma_choices(), ids=kernel_id)
+def test_early_reads_see_the_chunk_written_just_before(rng, stream, kernel):
     """The step's append (PromptQuantizer writing each chunk at its start) right before
     run(early_reads=True) on the stream: the chunk's rows held garbage until then and are
-    read after it; the result matches the oracle over the cache as written."""
+    read after it, on every kernel; the result matches the oracle over the cache as written."""
     from lowlevel_fd import PromptQuantizer
     qo, kv = [4, 8, 4], [4096, 1500, 70]
     B, HQ, HKV, D = len(qo), 32, 8, 128
@@ -152,7 +155,7 @@ def test_early_reads_see_the_chunk_written_just_before(rng, stream):
     chunk_v = rng.standard_normal((B, max(qo), HKV, D)).astype(np.float16)
     quantizer = PromptQuantizer.create(HKV, D, max_batch=B)
     with case.make_plan() as plan:
-        plan.plan(case.indptr, case.kv_lens)
+        plan.plan(case.indptr, case.kv_lens, **kernel)
         d["out"].fill(np.nan, stream)
         d["lse"].fill(np.nan, stream)
         quantizer.run(DeviceArray.from_numpy(chunk_k), DeviceArray.from_numpy(chunk_v),

@@ -150,9 +150,9 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
-        # The mma.sync kernel waits for the previous kernel itself (early_reads, run): on sm_90
-        # it launches programmatically, its launch overlapping that kernel's tail.
-        programmatic = not use_wgmma and self.device.compute_capability >= (9, 0)
+        # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
+        # they launch programmatically, the launch overlapping that kernel's tail.
+        programmatic = self.device.compute_capability >= (9, 0)
         self._launch = kernel.prepare(
             LaunchConfig(self._grid, threads, shared, programmatic=programmatic), p)
         self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree)
@@ -237,7 +237,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         rows past the planned row tiles are not written. A length outside the cache is
         clamped (ERROR_OUTSIDE_CACHE). Enqueued on ``stream``; returns at once.
 
-        ``early_reads`` (where the launch is programmatic: Hopper, the mma.sync kernel; see
+        ``early_reads`` (where the launch is programmatic: Hopper; see
         ``describe()["programmatic"]``): ``seq_lens``, ``qo_indptr``, the block table and the
         cache rows and scales before each sequence's chunk (positions < seq_len - qo_len) may
         be read while the kernel before it on the stream is still finishing, so the first
