@@ -57,19 +57,12 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int wr = warp % kGroups, wk = warp / kGroups;  // row group, share of the KV tile
 
-  // Programmatic launch (sm_90; a no-op otherwise): what the previous kernel on the stream
-  // wrote is visible past wait_for_previous_grid. With p.early_reads the lengths, qo_indptr,
-  // the table and a split's first tiles when they lie before its chunk (the previous kernel,
-  // an append, writes the chunk's rows) are read first, so those tiles stream during that
-  // kernel's tail (PERF_NOTES m17).
-  const bool early = p.early_reads != 0;
-  if (!early) wait_for_previous_grid();
-  const CtaWork<kCtaRows, T::kRows> work(p, early);
+  // Programmatic launch (CtaWork): with p.early_reads a split's first tiles, when they lie
+  // before its chunk (the previous kernel, an append, writes the chunk's rows), are issued
+  // before the wait, so they stream during that kernel's tail (PERF_NOTES m17).
+  const CtaWork<kCtaRows, T::kRows> work(p);
   if (work.idle) {
-    if (early) {
-      wait_for_previous_grid();
-      work.flag(p);
-    }
+    work.retire(p);
     return;
   }
   const SequenceRows& sr = work.sr;
@@ -100,14 +93,10 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   const uint32_t smem_base = shared_address(smem);
   // With early reads the first tiles are issued before the wait when they lie before the
   // chunk, after it otherwise (one copy of the prologue either way).
-  const bool prime_early = early && min(end, start + (kMultiStages - 1) * T::kRows) <= sr.prefix;
-  auto wait_then_flag = [&]() __attribute__((always_inline)) {
-    wait_for_previous_grid();
-    work.flag(p);
-  };
-  if (early && !prime_early) wait_then_flag();
+  const bool prime_early = work.template primes_early<kMultiStages>();
+  if (work.early && !prime_early) work.wait_then_flag(p);
   loader.prime<kMultiStages>(p, smem_base, T::kBytes, start, end);
-  if (prime_early) wait_then_flag();
+  if (prime_early) work.wait_then_flag(p);
 
   // Q fragments live in shared memory (16 bytes per lane, m-block and 16-dim chunk, read
   // conflict-free by the lane that wrote them): in registers, next to the accumulators of two

@@ -107,22 +107,27 @@ __device__ __forceinline__ void tile_splits(const MultiParams& p, int kv_end, in
 
 // What a CTA of CTA_ROWS query rows works on: its KV head, row tile (the longest first),
 // split and sequence, and its KV range [start, end) cut in tiles of TOKENS. `idle`: nothing
-// (a tile past the sequence's rows, a split past its range): the CTA returns. One CTA per
-// sequence raises its error bits, at once or (`defer_flags`: before the programmatic wait,
-// when writes may not happen yet) in flag().
+// (a tile past the sequence's rows, a split past its range): the CTA calls retire() and
+// returns. Programmatic launch (sm_90; a no-op otherwise): what the previous kernel on the
+// stream wrote is visible past wait_for_previous_grid, which every thread that reads it or
+// writes passes. Constructing the work waits first, unless p.early_reads: then the lengths,
+// qo_indptr and the table are read before the wait, and the error bits (raised by one CTA
+// per sequence) wait for it too, in wait_then_flag().
 template <int CTA_ROWS, int TOKENS>
 struct CtaWork {
+  bool early;  // first: the wait, where it comes, precedes every read below
   int kvh, tile, split, b;
   SequenceRows sr;
   int row0, tile_rows = 0, chunk = 0, active = 0, start = 0, end = 0;
   bool idle;
 
-  __device__ __forceinline__ explicit CtaWork(const MultiParams& p, bool defer_flags = false)
-      : kvh(blockIdx.x % p.num_kv_heads),
+  __device__ __forceinline__ explicit CtaWork(const MultiParams& p)
+      : early(wait_unless_early(p)),
+        kvh(blockIdx.x % p.num_kv_heads),
         tile(p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads),
         split(blockIdx.y),
         b(blockIdx.z),
-        sr(p, b, CTA_ROWS, !defer_flags && flagger()),
+        sr(p, b, CTA_ROWS, !early && flagger()),
         row0(tile * CTA_ROWS) {
     idle = row0 >= sr.rows;
     if (idle) return;
@@ -137,9 +142,26 @@ struct CtaWork {
   __device__ __forceinline__ bool flagger() const {
     return tile == 0 && split == 0 && kvh == 0 && threadIdx.x == 0;
   }
-  // The deferred error bits (constructed with defer_flags).
-  __device__ __forceinline__ void flag(const MultiParams& p) const {
+  // With early reads: the wait, then the deferred error bits.
+  __device__ __forceinline__ void wait_then_flag(const MultiParams& p) const {
+    wait_for_previous_grid();
     if (flagger() && sr.flags) atomicOr(p.error_flags, sr.flags);
+  }
+  // An idle CTA's exit.
+  __device__ __forceinline__ void retire(const MultiParams& p) const {
+    if (early) wait_then_flag(p);
+  }
+  // Whether the loader's first STAGES - 1 tiles may be issued before the wait (early reads,
+  // and they lie before the chunk, which the previous kernel may write).
+  template <int STAGES>
+  __device__ __forceinline__ bool primes_early() const {
+    return early && min(end, start + (STAGES - 1) * TOKENS) <= sr.prefix;
+  }
+
+ private:
+  __device__ static __forceinline__ bool wait_unless_early(const MultiParams& p) {
+    if (!p.early_reads) wait_for_previous_grid();
+    return p.early_reads != 0;
   }
 };
 

@@ -67,18 +67,10 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform to the compiler:
                                                         // wgmma under no divergent branch
 
-  // Programmatic launch (sm_90), as multi.cu (PERF_NOTES m17): what the previous kernel on the
-  // stream wrote is visible past wait_for_previous_grid, which every thread that reads it or
-  // writes passes. With p.early_reads the lengths, qo_indptr, the table and the loader's first
-  // tiles when they lie before the chunk are read first.
-  const bool early = p.early_reads != 0;
-  if (!early) wait_for_previous_grid();
-  const CtaWork<L::kCtaRows, L::kTokens> work(p, early);
+  // Programmatic launch and early reads as multi.cu's (CtaWork; PERF_NOTES m17, m19).
+  const CtaWork<L::kCtaRows, L::kTokens> work(p);
   if (work.idle) {
-    if (early) {
-      wait_for_previous_grid();
-      work.flag(p);
-    }
+    work.retire(p);
     return;
   }
   const SequenceRows& sr = work.sr;
@@ -99,16 +91,12 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     constexpr bool kReadFirst = !PAGED && sizeof(ScaleT) == 4;
     TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kLoadThreads, !PAGED>
         loader(b, kvh);
-    // The first tiles before the wait when they lie before the chunk, after it otherwise.
-    const bool prime_early =
-        early && min(end, start + (kStages - 1) * L::kTokens) <= sr.prefix;
-    auto wait_then_flag = [&]() __attribute__((always_inline)) {
-      wait_for_previous_grid();
-      work.flag(p);  // the flagging thread is the loader's first
-    };
-    if (early && !prime_early) wait_then_flag();
+    // The first tiles before the wait when they lie before the chunk, after it otherwise (the
+    // flagging thread is the loader's first).
+    const bool prime_early = work.template primes_early<kStages>();
+    if (work.early && !prime_early) work.wait_then_flag(p);
     loader.prime<kStages>(p, base, L::kStageBytes, start, end);
-    if (prime_early) wait_then_flag();
+    if (prime_early) work.wait_then_flag(p);
 #pragma unroll 1
     for (int j = 0; j < tiles; ++j) {
       const int st = j % kStages;
@@ -137,7 +125,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
 
   // ---- computing warpgroups ----
   set_max_registers<216>();
-  if (early) wait_for_previous_grid();  // before q and any write
+  if (work.early) wait_for_previous_grid();  // before q and any write
   const int cw = wg - 1;
   // This warpgroup's rows; this lane's rows r_lo and r_lo + 8 (the accumulator layout). The
   // warpgroup computes tiles before wg_limit; tiles before wg_full need no mask.

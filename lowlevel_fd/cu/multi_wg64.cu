@@ -27,15 +27,10 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  // Programmatic launch and early reads as multi.cu's (PERF_NOTES m17).
-  const bool early = p.early_reads != 0;
-  if (!early) wait_for_previous_grid();
-  const CtaWork<L::kCtaRows, L::kTokens> work(p, early);
+  // Programmatic launch and early reads as multi.cu's (CtaWork; PERF_NOTES m17, m19).
+  const CtaWork<L::kCtaRows, L::kTokens> work(p);
   if (work.idle) {
-    if (early) {
-      wait_for_previous_grid();
-      work.flag(p);
-    }
+    work.retire(p);
     return;
   }
   const SequenceRows& sr = work.sr;
@@ -59,15 +54,10 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   TileLoader<HEAD_DIM, L::kTokens, kTokenScales, ScaleT, PAGED, L::kThreads, !PAGED> loader(
       b, kvh);
   // The first tiles before the wait when they lie before the chunk, after it otherwise.
-  const bool prime_early =
-      early && min(end, start + (L::kStages - 1) * L::kTokens) <= sr.prefix;
-  auto wait_then_flag = [&]() __attribute__((always_inline)) {
-    wait_for_previous_grid();
-    work.flag(p);
-  };
-  if (early && !prime_early) wait_then_flag();
+  const bool prime_early = work.template primes_early<L::kStages>();
+  if (work.early && !prime_early) work.wait_then_flag(p);
   loader.prime<L::kStages>(p, base, L::kStageBytes, start, end);
-  if (prime_early) wait_then_flag();
+  if (prime_early) work.wait_then_flag(p);
 
   uint32_t qa[kChunks][4];
   float row_const[2], v_const;
