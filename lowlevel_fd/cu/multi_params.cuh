@@ -49,9 +49,10 @@ struct MultiParams {
   // are; bits past tree_words words count as 0.
   const uint32_t* tree_mask;
   int32_t tree_words;
-  // 1 (a programmatic launch, multi.cu): the lengths, qo_indptr, the block table and each
-  // split's first tiles when they lie before its chunk are read before the previous kernel
-  // on the stream has finished; q, the rest of the cache and every write wait for it.
+  // 1 (a programmatic launch, every kernel of the family): the lengths, qo_indptr, the block
+  // table and each split's first tiles when they lie before its chunk are read before the
+  // previous kernel on the stream has finished; q, the rest of the cache and every write
+  // wait for it (CtaWork).
   int32_t early_reads;
 };
 
