@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
       named_arrive(B::full(j % kCopies, 1), L::kLoadThreads + 128);
     }
     cp_async_wait<0>();
+    allow_next_grid();  // with the computing warpgroups' below: as multi.cu, after the KV loop
     if constexpr (PAGED)
       if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
     return;
@@ -235,6 +236,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
     tile_step(j, a, a_next);
     if (j + 1 < tiles) tile_step(j + 1, a_next, a);
   }
+  allow_next_grid();  // the next kernel's launch overlaps the stores and merges below
 
   // ---- this split's rows: normalised, with their base-2 LSE ----
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;

@@ -141,6 +141,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
     fence_operands(o);
   }
   cp_async_wait<0>();
+  allow_next_grid();  // the next kernel's launch overlaps the stores and merges below
   if constexpr (PAGED)
     if (loader.bad) atomicOr(p.error_flags, kErrorBadPage);
 
