@@ -110,17 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             for place in args.scale_place.split(",")]
         base: dict[bool, float] = {}
         for layout, page, order, place in variants:
-            table = None
-            if page:
-                pages = tokens // page
-                ids = page_ids(order, pages, page * H * D, rng)
-                table = DeviceArray.from_numpy(ids.astype(np.int32), device)
             rows, scales = strides(layout, seq_len, page)
             k_scale, v_scale = ks.ptr, vs.ptr
             if place == "page":  # the page's scales follow its rows
                 rows = (page_bytes(page),) + rows[1:]
                 scales = (page_bytes(page),) + scales[1:]
                 k_scale, v_scale = k.ptr + page * H * D, v.ptr + page * H * D
+            table = None
+            if page:  # 2 MiB-local orders count the pool's own page stride
+                ids = page_ids(order, tokens // page, rows[0], rng)
+                table = DeviceArray.from_numpy(ids.astype(np.int32), device)
             for with_scales in (False, True) if place == "pool" else (True,):
                 p = GatherParams(k.ptr, v.ptr, k_scale if with_scales else 0,
                                  v_scale if with_scales else 0, table.ptr if table else 0,

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .pages import PAGE_ORDERS
+
 MIB = 2**20
 GIB = 2**30
 # H100's L2 is 50 MiB: a step that touches 4x that cannot be served from L2 across replays.
@@ -242,8 +244,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--page-size", help="comma list of page sizes (powers of two 1..256; "
                                            "0: contiguous): paged caches in the nhd/hnd "
                                            "layouts (default nhd)")
-    group.add_argument("--page-order", choices=("random", "ordered"), default="random",
-                       help="physical order of the pages (default random: fragmented)")
+    group.add_argument("--page-order", choices=PAGE_ORDERS, default="random",
+                       help="physical order of the pages (default random: fragmented; "
+                            "benchlib.pages.page_ids)")
     group.add_argument("--scale-mode", help="comma list of tensor,head,token-fp32,token-fp16 "
                                             "(token = token-fp32) or 'all'")
     group.add_argument("--q-dtype", help="comma list of fp16,bf16 or 'all'")
