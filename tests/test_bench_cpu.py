@@ -301,11 +301,16 @@ def test_probe_gather_strides_are_the_cache_layouts():
 @pytest.mark.parametrize("order", PAGE_ORDERS)
 def test_page_orders_are_permutations_with_their_locality(order):
     """benchlib.pages.page_ids: every order is a permutation of the pool's pages; "window"
-    keeps each 2 MiB of pages within its 2 MiB, "runs" keeps each 2 MiB run consecutive."""
+    keeps each 2 MiB of pages within its 2 MiB, "runs" keeps each 2 MiB run consecutive,
+    "sweep" lists each sequence's (row's) pages ascending."""
     rng = np.random.default_rng(3)
     per = (2 << 20) // 16384  # pages of 16 KiB per 2 MiB
-    ids = page_ids(order, 5 * per + 7, 16384, rng)
+    ids = page_ids(order, 5 * per + 7, 16384, rng, row=per + 1)
     assert sorted(ids.tolist()) == list(range(5 * per + 7))
+    if order == "sweep":
+        rows = ids[:5 * (per + 1)].reshape(5, per + 1)
+        assert (np.diff(rows, axis=1) > 0).all()
+        assert not np.array_equal(ids, np.arange(ids.size))
     if order == "window":
         assert all(ids[i] // per == i // per for i in range(ids.size))
         assert not np.array_equal(ids, np.arange(ids.size))

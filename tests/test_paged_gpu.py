@@ -181,7 +181,7 @@ def test_fused_append_reads_page_ids_inside_and_past_its_table_window(rng, strea
     # Few-CTA paged plans copy up to 1024 table ids per CTA with the position (IdWindow in
     # cu/cache_pages.cuh); at page size 1 positions past 1024 read the rest from the table.
     # Either way the output is the contiguous cache's, bit for bit, and the same with the
-    # window off.
+    # window off, as calls with early reads on a programmatic launch have it.
     positions = [2050, 1500, 0, 1030]
     case = Case.random(rng, positions, capacity=2100, num_q_heads=8, num_kv_heads=2)
     qt = dtypes.as_dtype(case.dtype)
@@ -190,10 +190,10 @@ def test_fused_append_reads_page_ids_inside_and_past_its_table_window(rng, strea
     pages = paginate(rng, contiguous(case), layout, page_size, token_scales=True)
     d, paged = case.upload(), pages.upload()
 
-    def append(plan, arrays, table):
+    def append(plan, arrays, table, early_reads=False):
         out = DeviceArray.full((case.batch, 8, 128), float("nan"), qt)
         plan.append_and_run(d["q"], k_new, v_new, *arrays, d["seq_lens"], out,
-                            block_table=table, stream=stream)
+                            block_table=table, early_reads=early_reads, stream=stream)
         assert plan.error_flags(stream=stream) == 0
         return out.numpy()
 
@@ -205,8 +205,13 @@ def test_fused_append_reads_page_ids_inside_and_past_its_table_window(rng, strea
     assert plan.describe()["table_window"]
     arrays = [paged[n] for n in CACHE]
     assert_bitwise(append(plan, arrays, paged["block_table"]), expected, "window")
-    plan._params.table_window = 0  # the same kernel reading every id from the table
+    assert plan._params.table_window == 1
+    # Early reads (the previous kernel, the flag read's, has finished: nothing to race).
+    assert_bitwise(append(plan, arrays, paged["block_table"], True), expected, "early")
+    assert plan._params.table_window == (0 if plan.describe()["programmatic"] else 1)
+    plan._table_window = False  # the same kernel reading every id from the table
     assert_bitwise(append(plan, arrays, paged["block_table"]), expected, "no window")
+    assert plan._params.table_window == 0
 
 
 @pytest.mark.parametrize("layout, page_size", [("nhd", 16), ("hnd", 2), ("nhd", 128)])

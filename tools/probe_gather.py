@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 k_scale, v_scale = k.ptr + page * H * D, v.ptr + page * H * D
             table = None
             if page:  # 2 MiB-local orders count the pool's own page stride
-                ids = page_ids(order, tokens // page, rows[0], rng)
+                ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
             for with_scales in (False, True) if place == "pool" else (True,):
                 p = GatherParams(k.ptr, v.ptr, k_scale if with_scales else 0,

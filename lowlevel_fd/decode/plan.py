@@ -54,6 +54,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._split_append: PreparedLaunch | None = None
         self._combine: PreparedLaunch | None = None
         self._generation = 0  # bumped by every plan(): PreparedCalls of older plans are stale
+        self._table_window = self._programmatic = False  # set by plan()
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, close_all, self._workspace)
 
@@ -116,9 +117,14 @@ class DecodePlan(OnCache, CreatedFromOptions):
         p.group_size, p.head_chunks, p.chunk_heads = self.group_size, chunks, chunk_heads
         grid = (slots, config.num_splits, batch)
         # The fused append kernels of paged plans of few CTAs copy their first page ids with
-        # the positions (IdWindow in cu/cache_pages.cuh): there the chain is the time.
-        p.table_window = int(self.cache.paged and
-                             batch * slots * config.num_splits <= 2 * self.device.sm_count)
+        # the positions (IdWindow in cu/cache_pages.cuh): there the chain is the time. Not
+        # with early reads on a programmatic launch (_window_for): the ids are then read
+        # during the previous kernel's tail anyway, and the window's copy and CTA barrier
+        # cost the 32-layer step at B=1 0.03-0.05 us per layer (PERF_NOTES v21).
+        self._table_window = bool(self.cache.paged and
+                                  batch * slots * config.num_splits <= 2 * self.device.sm_count)
+        self._programmatic = bool(config.programmatic and hopper)
+        p.table_window = int(self._table_window)
         launch_config = LaunchConfig(
             grid, variant.threads, shared,
             cluster=(1, config.num_splits, 1) if config.cluster else None,
@@ -138,7 +144,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._description = {
             "batch": batch, "grid": grid, "block": variant.threads,
             "group_size": self.group_size, "cta_heads": self.cta_heads,
-            "head_chunks": self.head_chunks, "table_window": bool(p.table_window),
+            "head_chunks": self.head_chunks, "table_window": self._table_window,
             "num_splits": config.num_splits, "min_split_tokens": config.min_split_tokens,
             "tiles": variant.tiles, "tile_tokens": 16 * variant.tiles,
             "num_warps": variant.num_warps, "stages": variant.stages,
@@ -215,6 +221,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._binder.bind_append(self._params, q, k_new, v_new, k_cache, v_cache, k_scale,
                                  v_scale, seq_lens, out, lse, cos_sin, block_table)
         self._params.early_reads = int(early_reads)
+        self._params.table_window = self._window_for(early_reads)
         self._launch(True, stream)
 
     def prepare_run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
@@ -241,7 +248,12 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._binder.bind_append(params, q, k_new, v_new, k_cache, v_cache, k_scale, v_scale,
                                  seq_lens, out, lse, cos_sin, block_table)
         params.early_reads = int(early_reads)
+        params.table_window = self._window_for(early_reads)
         return PreparedCall(self, params, True)
+
+    def _window_for(self, early_reads: bool) -> int:
+        """The fused append's table window for this call (see plan)."""
+        return int(self._table_window and not (early_reads and self._programmatic))
 
     def _launch(self, append: bool, stream: StreamLike) -> None:
         (self._split_append if append else self._split).launch(stream)  # type: ignore[union-attr]

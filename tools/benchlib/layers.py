@@ -59,7 +59,8 @@ class LayerSet:
         if workload.page_size:
             count = workload.num_pages
             order = page_ids(workload.page_order, count,
-                             workload.page_size * workload.num_kv_heads * workload.head_dim, rng)
+                             workload.page_size * workload.num_kv_heads * workload.head_dim, rng,
+                             workload.pages_per_seq)
             self.table = order.reshape(workload.batch, workload.pages_per_seq).astype(np.int32)
             self.pages = {"block_table": DeviceArray.from_numpy(self.table, device)}
         stream.synchronize()

@@ -13,18 +13,27 @@ def bnsh_from_pages(pool: np.ndarray, table: np.ndarray, layout: str) -> np.ndar
     return pages.reshape(pages.shape[0], pages.shape[1], -1, *pages.shape[4:])
 
 
-PAGE_ORDERS = ("random", "ordered", "window", "runs")
+PAGE_ORDERS = ("random", "ordered", "window", "runs", "sweep")
 
 
-def page_ids(order: str, count: int, page_bytes: int, rng: np.random.Generator) -> np.ndarray:
+def page_ids(order: str, count: int, page_bytes: int, rng: np.random.Generator,
+             row: int | None = None) -> np.ndarray:
     """Physical ids of ``count`` pages of ``page_bytes`` each (in one pool): "random"
     (fragmented), "ordered", "window" (random within each 2 MiB of the pool, the windows in
-    order: few address translations at a time, no sequential rows) or "runs" (each 2 MiB in
-    order, the runs in random order: sequential rows, scattered translations)."""
+    order: few address translations at a time, no sequential rows), "runs" (each 2 MiB in
+    order, the runs in random order: sequential rows, scattered translations) or "sweep"
+    (random, then each sequence's ``row`` ids ascending: as scattered as random per
+    sequence, but every sequence walks the pool from its start to its end)."""
     if order == "ordered":
         return np.arange(count)
     if order == "random":
         return rng.permutation(count)
+    if order == "sweep":
+        ids = rng.permutation(count)
+        row = row or count
+        whole = count - count % row
+        ids[:whole] = np.sort(ids[:whole].reshape(-1, row), axis=1).reshape(-1)
+        return ids
     per = max(1, (2 << 20) // page_bytes)
     starts = range(0, count, per)
     if order == "window":
