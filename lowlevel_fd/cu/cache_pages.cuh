@@ -42,16 +42,6 @@ __device__ __forceinline__ bool locate_token(const P& p, int b, int head, int po
   return token_offsets(p, page_of(p, b, pos), head, pos, row, scale);
 }
 
-// Pull the start of sequence b's table row into L1 (one 128-byte line per thread, up to
-// `threads` lines) while the kernel reads its length.
-template <typename P>
-__device__ __forceinline__ void prefetch_table_row(const P& p, int b, int threads) {
-  const int lines = ((p.capacity >> p.page_shift) + 31) / 32;
-  for (int line = threadIdx.x; line < lines && line < threads; line += blockDim.x)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(p.block_table + b * p.table_stride +
-                                                    32 * line));
-}
-
 // The fused append's window of sequence b's table row in shared memory. The page ids of a
 // CTA's first tiles wait for the sequence's position, and without early reads a round trip to
 // the table after it sat on the chain of the decode step (B=1, 1024 tokens: 6.54 us per layer
@@ -59,7 +49,8 @@ __device__ __forceinline__ void prefetch_table_row(const P& p, int b, int thread
 // copied alongside the position read instead: kEntries ids from the earliest page the CTA's
 // split can start at (split x min_split_tokens), when the plan asks (p.table_window: plans of
 // few CTAs, where the chain is the time). Ids outside it are read from the table as before.
-// (The plain decode kernel keeps its L1 prefetch: the window's CTA barrier made it slower.)
+// (The plain decode kernel has no window: the window's CTA barrier made it slower. Nor an
+// L1 prefetch of the row: it cost 1-3 points at B=1, PERF_NOTES v22.)
 template <int THREADS>
 struct IdWindow {
   static constexpr int kEntries = 1024;

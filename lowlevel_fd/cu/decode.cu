@@ -122,7 +122,6 @@ decode_split(const __grid_constant__ DecodeParams p) {
   __shared__ int id_window[kWindow ? IdWindow<NUM_WARPS * 32>::kEntries : 1];
   IdWindow<NUM_WARPS * 32> window;
   if constexpr (kWindow) window.load(p, b, blockIdx.y, id_window);
-  else if constexpr (PAGED) prefetch_table_row(p, b, NUM_WARPS * 32);
   int len, pos = 0, chunk, active, new_page = 0;
   bool appended = false;
   RopeCoefficients<HEAD_DIM, NUM_WARPS * 32> rope_cs;
