@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from benchlib.kernels import bench_kernel, fill_random
-from benchlib.pages import page_ids
+from benchlib.pages import PAGE_ORDERS, page_ids
 from benchlib.stats import summarize
 from benchlib.workloads import Workload, parse_shapes
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="64,8192;32,4096;128,2048", help="'B,S;B,S;...'")
     parser.add_argument("--pages", default="16,1", help="comma list of page sizes")
     parser.add_argument("--orders", default="random,ordered",
-                        help="comma list of page orders: random, ordered, window, runs")
+                        help=f"comma list of page orders: {', '.join(PAGE_ORDERS)}")
     parser.add_argument("--scale-place", default="pool",
                         help="comma list: pool (scales in their own [N, P, Hkv] / [N, Hkv, P] "
                              "pools) and/or page (each page's scales right after its rows, in "

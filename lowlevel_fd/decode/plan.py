@@ -124,7 +124,6 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._table_window = bool(self.cache.paged and
                                   batch * slots * config.num_splits <= 2 * self.device.sm_count)
         self._programmatic = bool(config.programmatic and hopper)
-        p.table_window = int(self._table_window)
         launch_config = LaunchConfig(
             grid, variant.threads, shared,
             cluster=(1, config.num_splits, 1) if config.cluster else None,
