@@ -82,13 +82,13 @@ class Case:
                                  scale_dtype=self.scale_dtype, **options)
 
     def run(self, plan: DecodePlan, stream: Any, *, config: TileConfig | None = None,
-            replan: bool = True) -> tuple[np.ndarray, np.ndarray]:
+            replan: bool = True, multi: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Poison the outputs with NaN, run, return (out, lse) as float64 host arrays."""
         if not self.device:
             self.upload()
         d = self.device
         if replan:
-            plan.plan(self.lengths, config=config)
+            plan.plan(self.lengths, config=config, multi=multi)
         d["out"].fill(float("nan"))
         d["lse"].fill(float("nan"))
         plan.run(d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"], d["seq_lens"], d["out"],

@@ -12,7 +12,8 @@ page sizes 1, 16 and 256 in both layouts, bad page ids in attention and in every
 fused append across page edges, prompts in chunks, pools that are views (K and V in one
 allocation, scales inline after each row). Multi-token attention (tests/test_multi_gpu.py's
 cases): every head dim, contiguous and paged, ragged with empty rows, KV splits and their
-merge, group sizes 5 and 71, RoPE of q, graph replay, the device guards, bad page ids.
+merge, group sizes 5 and 71, RoPE of q, graph replay, the device guards, bad page ids; decode
+rows (DecodePlan's route): empty sequences on every multi-token kernel, paged.
 
 Every result is checked against the oracle, so a silent failure is caught too. Outputs are
 NaN-poisoned and caches fully uploaded first, so initcheck only sees initialized memory.
@@ -393,6 +394,14 @@ for rows, kernel in zip(multi.WG_ROWS, multi.WG):
              multi.test_device_guards_flag_and_write_nothing(rng, stream, kernel),
              multi.test_bad_page_ids_are_never_read(rng, stream, kernel),
              multi.test_wgmma_splits_merge(rng, stream, True, rows)))
+import test_decode_route_gpu as route  # noqa: E402
+
+case("decode rows: empty sequences, every multi kernel, KV splits, early reads",
+     lambda rng, stream: route.test_multi_decode_rows_match_the_decode_oracle_on_every_kernel(
+         rng, stream, Device(0), 128, 71, 3))
+case("decode rows: DecodePlan routed over pages (hnd, page 1)",
+     lambda rng, stream: route.test_routed_decode_over_pages_matches_the_oracle(
+         rng, stream, "hnd", 1, "token", "float32"))
 import test_tree_mask_gpu as tree  # noqa: E402
 
 case("extend tree mask, arbitrary bits, paged nhd page 1, d256",

@@ -16,7 +16,7 @@ from lowlevel_fd.core import support
 from lowlevel_fd.multi import MultiVariant, MultiWorkload, choose_splits, shipped_variants
 from lowlevel_fd.multi.bind import MultiBinder
 from lowlevel_fd.multi.params import MultiParams
-from lowlevel_fd.multi.plan import host_queries
+from lowlevel_fd.multi.bind import host_queries
 from lowlevel_fd.multi.planner import MAX_SPLITS, choose_ksplit
 from lowlevel_fd.multi.variants import ksplits, tile_tokens
 
@@ -42,6 +42,13 @@ def test_host_queries_reject_bad_input(indptr, lens, message):
 def test_host_queries_accept_empty_rows_and_return_the_lengths():
     qo, kv = host_queries(np.array([0, 0, 5, 5, 6]), [0, 9, 3000, 1], 4, 8192)
     assert qo.tolist() == [0, 5, 0, 1] and kv.tolist() == [0, 9, 3000, 1]
+
+
+def test_host_queries_without_qo_indptr_are_decode_rows_and_allow_empty_sequences():
+    qo, kv = host_queries(None, [0, 9, 3000], 4, 8192)
+    assert qo.tolist() == [1, 1, 1] and kv.tolist() == [0, 9, 3000]
+    with pytest.raises(ValueError, match="seq_lens"):
+        host_queries(None, [9000], 4, 8192)
 
 
 def test_host_queries_want_host_arrays():

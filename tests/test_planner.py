@@ -4,16 +4,19 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowlevel_fd.core.spec import KVCacheSpec
 from lowlevel_fd.core.support import DTYPES, HEAD_DIMS, WARP_COUNTS
 from lowlevel_fd.decode import CombineVariant, DecodeVariant, shipped_variants
 from lowlevel_fd.decode.planner import (DEFAULT_WARPS, MAX_CLUSTER, MAX_GLOBAL_SPLITS,
                                         MAX_PORTABLE_SPLITS, MAX_SPLITS, SPLIT_TOKENS, TileConfig,
                                         Workload, choose, default_min_split_tokens,
-                                        workspace_pairs_bound)
+                                        routes_to_multi, workspace_pairs_bound)
+from lowlevel_fd.decode.route import wants_multi
 from lowlevel_fd.decode.variants import CTA_HEADS, MASKED_CTA_HEADS
 from lowlevel_fd.decode.variants import LENGTHS as LENGTHS_PROGRAM
 
@@ -276,3 +279,48 @@ def test_two_tiles_only_for_few_ctas_with_long_splits(batch, max_len, head_dim, 
     assert max_len // config.num_splits >= config.min_split_tokens
     if tiles == 2:
         assert 2 * batch * 8 * config.num_splits <= 132 and config.cluster
+
+
+class _Device:
+    def __init__(self, capability: tuple[int, int]) -> None:
+        self.compute_capability = capability
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("group, head_dim, chunks, kv_mib, pairs, routed", [
+    (64, 128, 4, 16, 1, True),      # 3+ chunks from 16 MiB
+    (64, 128, 4, 8, 32, False),     # ... not at 8 (B=32 S=1024: decode 12.2 us, multi 19.3)
+    (48, 64, 3, 16, 64, True),
+    (128, 128, 8, 8, 8, False),
+    (32, 128, 2, 64, 32, True),     # 2 chunks: 64 MiB over >= 32 pairs
+    (32, 128, 2, 64, 16, False),    # B=16 S=16384: decode 39.9 us, multi 42.3
+    (32, 128, 2, 33, 128, False),
+    (16, 128, 1, 128, 128, True),   # 1 chunk: 64 MiB over >= 96 pairs
+    (16, 128, 1, 128, 32, False),   # B=32 S=16384: decode 57.2 us, multi 59.2
+    (8, 128, 1, 1024, 1024, False),  # decode's own groups never leave it
+    (64, 256, 4, 1024, 128, False),  # head_dim 256: not measured
+])
+def test_rule_8_routes_large_groups_over_large_caches(group, head_dim, chunks, kv_mib, pairs,
+                                                      routed):
+    assert routes_to_multi(group, head_dim, chunks, kv_mib * MIB, pairs, True) is routed
+    assert routes_to_multi(group, head_dim, chunks, kv_mib * MIB, pairs, False) is False
+
+
+def test_wants_multi_follows_the_rule_unless_forced_or_configured():
+    spec = KVCacheSpec(1, 128)
+    hopper, ampere = _Device((9, 0)), _Device((8, 0))
+    lengths = np.full(8, 8192)  # 16 MiB of int8 K and V
+    assert wants_multi(None, spec, 64, 4, lengths, hopper, False)
+    assert not wants_multi(None, spec, 64, 4, lengths, ampere, False)
+    assert not wants_multi(None, spec, 64, 4, lengths, hopper, True)  # a TileConfig: decode
+    assert not wants_multi(None, spec, 64, 4, lengths // 2, hopper, False)
+    assert wants_multi(True, spec, 3, 1, lengths[:1], ampere, False)
+    assert not wants_multi(False, spec, 64, 4, lengths, hopper, False)
+    with pytest.raises(ValueError, match="multi: a TileConfig plans the decode kernel"):
+        wants_multi(True, spec, 64, 4, lengths, hopper, True)
+    with pytest.raises(TypeError, match="multi"):
+        wants_multi(1, spec, 64, 4, lengths, hopper, False)
+    with pytest.raises(ValueError, match="at most 65535 sequences"):
+        wants_multi(True, spec, 64, 4, np.ones(65536, np.int64), hopper, False)

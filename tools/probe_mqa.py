@@ -1,7 +1,9 @@
-"""Multi-query decode (Hkv = 1, groups 32 and 64) through DecodePlan and through MultiPlan with
-one query token per sequence: which kernel family streams the shared KV head better.
+"""Multi-query decode (Hkv = 1, groups 32 and 64) through DecodePlan (as the planner routes it,
+and on the decode kernel itself) and through MultiPlan with one query token per sequence:
+which kernel family streams the shared KV head better.
 
-    PYTHONPATH=.:tools python3 tools/probe_mqa.py [--json PATH]
+    PYTHONPATH=.:tools python3 tools/probe_mqa.py [--shapes 'B,Hq,Hkv;...'] [--seq S]
+        [--planned-only] [--json PATH]
 
 Needs torch and a GPU. L2-honest: L >= 2 layers with distinct caches per graph replay, L x KV
 bytes >= 200 MiB; us per layer (median of 30 replays); % of the read reference measured in the
@@ -16,14 +18,31 @@ import itertools
 import json
 import sys
 
-D, S = 128, 4096
-SHAPES = ((32, 32), (32, 64), (128, 32), (128, 64))  # (B, Hq), Hkv = 1
+S = 4096
+SHAPES = "32,32,1;32,64,1;128,32,1;128,64,1"  # B, Hq, Hkv
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'B,Hq,Hkv;...' -> [(B, Hq, Hkv), ...]."""
+    shapes = []
+    for item in filter(None, text.split(";")):
+        batch, hq, hkv = (int(x) for x in item.split(","))
+        if hq % hkv:
+            raise SystemExit(f"--shapes: Hq {hq} is not a multiple of Hkv {hkv}")
+        shapes.append((batch, hq, hkv))
+    return shapes
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES, help="'B,Hq,Hkv;...'")
+    parser.add_argument("--seq", type=int, default=S, help="KV tokens per sequence")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    parser.add_argument("--planned-only", action="store_true",
+                        help="time MultiPlan's planned kernel only")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    seq, D = args.seq, args.head_dim
     import torch
     from benchlib.kernels import measure_read_bandwidth
     from benchlib.multi_torch import time_graph
@@ -38,25 +57,32 @@ def main(argv=None) -> int:
     stream.close()
     print(f"read reference {gbps:.0f} GB/s", flush=True)
     rows = []
-    for batch, hq in SHAPES:
-        kv = batch * S * (2 * D + 8)  # int8 K and V, fp32 scales
+    for batch, hq, hkv in parse_shapes(args.shapes):
+        kv = batch * hkv * seq * (2 * D + 8)  # int8 K and V, fp32 scales
         layers = max(2, min(64, -(-200 * 2**20 // kv)))
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def int8():
-            return torch.randint(-127, 128, (batch, 1, S, D), dtype=torch.int8, device="cuda",
-                                 generator=g)
+            return torch.randint(-127, 128, (batch, hkv, seq, D), dtype=torch.int8,
+                                 device="cuda", generator=g)
 
         def scales():
-            return torch.rand((batch, 1, S), device="cuda", generator=g) * 0.008 + 0.004
+            return torch.rand((batch, hkv, seq), device="cuda", generator=g) * 0.008 + 0.004
         caches = [(int8(), int8(), scales(), scales()) for _ in range(layers)]
-        lens = torch.full((batch,), S, dtype=torch.int32, device="cuda")
+        lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
         q = torch.randn((batch, hq, D), dtype=torch.float16, device="cuda")
-        o_dec, o_multi = torch.empty_like(q), torch.empty_like(q)
+        o_dec, o_multi, o_kernel = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
         current = torch.cuda.current_stream
-        decode = DecodePlan.create(hq, 1, D, max_batch=batch, max_seq_len=S).plan([S] * batch)
+        decode = DecodePlan.create(hq, hkv, D, max_batch=batch, max_seq_len=seq).plan(
+            [seq] * batch)  # as the planner routes it (rule 8)
+        backend = decode.describe()["backend"]
         t_dec = time_graph(lambda: [decode.run(q, *c, lens, o_dec, stream=current())
                                     for c in caches], iters=30, warmup=5, per=layers)
+        kernel = DecodePlan.create(hq, hkv, D, max_batch=batch, max_seq_len=seq).plan(
+            [seq] * batch, multi=False)  # the decode kernel itself
+        t_kernel = time_graph(lambda: [kernel.run(q, *c, lens, o_kernel, stream=current())
+                                       for c in caches], iters=30, warmup=5, per=layers)
+        kernel.close()
         indptr_host = list(range(batch + 1))
         indptr = torch.tensor(indptr_host, dtype=torch.int32, device="cuda")
         multi = {}
@@ -64,13 +90,15 @@ def main(argv=None) -> int:
                    f"ksplit {ksplits(D)[-1]}": {"ksplit": ksplits(D)[-1], "wgmma": False}}
         if wgmma_ok:
             kernels.update({f"wgmma {rows}": {"wg_rows": rows} for rows in WG_ROWS})
+        if args.planned_only:
+            kernels.clear()
         kernels["planner"] = {}
         diff = 0.0
         for (name, options), splits in itertools.product(kernels.items(), (None, 1, 2, 4, 8)):
             if name == "planner" and splits is not None:
                 continue
-            plan = MultiPlan.create(hq, 1, D, max_batch=batch, max_seq_len=S).plan(
-                indptr_host, [S] * batch, causal=False, num_splits=splits, **options)
+            plan = MultiPlan.create(hq, hkv, D, max_batch=batch, max_seq_len=seq).plan(
+                indptr_host, [seq] * batch, causal=False, num_splits=splits, **options)
             o_multi.fill_(float("nan"))
             t = time_graph(lambda: [plan.run(q, *c, lens, indptr, o_multi, stream=current())
                                     for c in caches], iters=30, warmup=5, per=layers)
@@ -79,21 +107,30 @@ def main(argv=None) -> int:
             multi[f"{name}, splits {splits or 'planned'}"] = t["median_us"]
             plan.close()
             torch.cuda.synchronize()
-            diff = max(diff, float((o_dec.float() - o_multi.float()).abs().max()
-                                   / o_dec.float().abs().max()))
+            diff = max(diff, float((o_kernel.float() - o_multi.float()).abs().max()
+                                   / o_kernel.float().abs().max()))
+        diff = max(diff, float((o_kernel.float() - o_dec.float()).abs().max()
+                               / o_kernel.float().abs().max()))
         best = min(multi, key=multi.get)
         planned = next(key for key in multi if key.startswith("planner"))
         share = kv / 1e3 / gbps * 100  # % of the reference at 1 us
-        row = {"batch": batch, "num_q_heads": hq, "num_kv_heads": 1, "layers": layers,
-               "kv_bytes_per_layer": kv, "decode_us": t_dec["median_us"],
-               "decode_pct": share / t_dec["median_us"], "multi_best": best,
+        row = {"head_dim": D, "batch": batch, "num_q_heads": hq, "num_kv_heads": hkv, "seq_len": seq,
+               "layers": layers,
+               "kv_bytes_per_layer": kv, "decode_backend": backend,
+               "decode_us": t_dec["median_us"], "decode_p20_us": t_dec["p20_us"],
+               "decode_p80_us": t_dec["p80_us"], "decode_pct": share / t_dec["median_us"],
+               "decode_kernel_us": t_kernel["median_us"],
+               "decode_kernel_pct": share / t_kernel["median_us"], "multi_best": best,
                "multi_us": multi[best], "multi_pct": share / multi[best],
                "planned": planned, "planned_us": multi[planned],
                "planned_pct": share / multi[planned], "multi_all": multi,
                "max_rel_diff": diff}
         rows.append(row)
-        print(f"B={batch} group {hq}: {kv / 2**20:.0f} MiB/layer, L={layers}: decode "
-              f"{row['decode_us']:.1f} us ({row['decode_pct']:.1f}%), MultiPlan best {best}: "
+        print(f"B={batch} Hq={hq} Hkv={hkv}: {kv / 2**20:.0f} MiB/layer, L={layers}: DecodePlan "
+              f"({backend}) {row['decode_us']:.1f} us ({row['decode_pct']:.1f}%, p20/p80 "
+              f"{t_dec['p20_us']:.1f}/{t_dec['p80_us']:.1f}), decode kernel "
+              f"{row['decode_kernel_us']:.1f} us ({row['decode_kernel_pct']:.1f}%), "
+              f"MultiPlan best {best}: "
               f"{row['multi_us']:.1f} us ({row['multi_pct']:.1f}%), {planned}: "
               f"{row['planned_us']:.1f} us ({row['planned_pct']:.1f}%), outputs within {diff:.1e}",
               flush=True)

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
   // before the wait, so they stream during that kernel's tail (PERF_NOTES m17).
   const CtaWork<kCtaRows, T::kRows> work(p);
   if (work.idle) {
-    work.retire(p);
+    work.template retire<HEAD_DIM>(p);
     return;
   }
   const SequenceRows& sr = work.sr;

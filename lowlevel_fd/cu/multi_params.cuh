@@ -54,15 +54,20 @@ struct MultiParams {
   // previous kernel on the stream has finished; q, the rest of the cache and every write
   // wait for it (CtaWork).
   int32_t early_reads;
+  // 1: one query row per sequence (row b of q is sequence b; qo_indptr is not read), and a
+  // sequence with no cached tokens is not an error: its rows get out 0 and lse -inf (decode's
+  // contract; DecodePlan runs such plans).
+  int32_t decode_rows;
 };
 
-static_assert(sizeof(MultiParams) == 280, "keep in sync with lowlevel_fd/multi/params.py");
+static_assert(sizeof(MultiParams) == 288, "keep in sync with lowlevel_fd/multi/params.py");
 
 // Sequence b's query rows of a KV head, packed token-major (row r is token r / group, query
 // head kvh * group + r % group), cut into tiles of the kernel's rows per CTA. Device
 // values are guarded: a qo_indptr interval that is not monotone or passes total_q and a chunk
-// longer than its KV set a flag and the sequence writes nothing; a length outside the cache
-// is clamped (flagged); rows past the plan's tiles are not computed (flagged).
+// longer than its KV set a flag and the sequence writes nothing (except an empty sequence's
+// decode row: `empty`); a length outside the cache is clamped (flagged); rows past the plan's
+// tiles are not computed (flagged).
 struct SequenceRows {
   int q0, qo_len, prefix, len;  // first query row, chunk tokens, tokens before the chunk, KV
   int rows;                     // qo_len * group (rows of this KV head)
@@ -71,15 +76,19 @@ struct SequenceRows {
   // cta_rows: the kernel's rows per CTA (the plan's tiles cover cta_rows * max_tiles rows).
   __device__ __forceinline__ SequenceRows(const MultiParams& p, int b, int cta_rows,
                                           bool flagger) {
-    q0 = p.qo_indptr[b];
-    const int q1 = p.qo_indptr[b + 1];
+    int q1;
+    if (p.decode_rows) {
+      q0 = b, q1 = b + 1;
+    } else {
+      q0 = p.qo_indptr[b], q1 = p.qo_indptr[b + 1];
+    }
     len = p.seq_lens[b];
     if (len < 0 || len > p.capacity) {
       flags |= kErrorOutsideCache;
       len = len < 0 ? 0 : p.capacity;
     }
     qo_len = q1 - q0;
-    if (q0 < 0 || q1 < q0 || q1 > p.total_q || qo_len > len) {
+    if (!empty(p) && (q0 < 0 || q1 < q0 || q1 > p.total_q || qo_len > len)) {
       flags |= kErrorQueryRange;
       qo_len = 0;
       q0 = 0;
@@ -89,11 +98,33 @@ struct SequenceRows {
     prefix = len - qo_len;
     if (flagger && flags) atomicOr(p.error_flags, flags);
   }
+  // A decode row of a sequence with no cached tokens: written as empty (CtaWork::retire).
+  __device__ __forceinline__ bool empty(const MultiParams& p) const {
+    return p.decode_rows && len == 0;
+  }
   // Tokens row r (of this KV head) may see: causal, its position and all before it.
   __device__ __forceinline__ int limit(const MultiParams& p, int r) const {
     return p.causal ? prefix + r / p.group_size + 1 : len;
   }
 };
+
+// Rows row0 .. row0 + tile_rows - 1 of KV head kvh of the sequence whose first query row is q0:
+// out 0, lse -inf (2-byte elements, rows 16-byte aligned). Out of line: the idle path's code
+// stays out of the kernels' register allocation (the 128-row warpgroup kernel is at its limit).
+__device__ __noinline__ void write_empty_rows(const MultiParams& p, int head_dim, int q0, int kvh,
+                                              int row0, int tile_rows) {
+  const int words = head_dim / 4;  // 8-byte stores per row
+  for (int i = threadIdx.x; i < tile_rows * words; i += blockDim.x) {
+    const int r = row0 + i / words, token = r / p.group_size;
+    const int head = kvh * p.group_size + r - token * p.group_size;
+    const int64_t q_row = q0 + token;
+    uint16_t* row = static_cast<uint16_t*>(p.out) + q_row * p.out_token_stride +
+                    head * p.out_head_stride;
+    reinterpret_cast<uint2*>(row)[i % words] = make_uint2(0u, 0u);
+    if (i % words == 0 && p.lse != nullptr)
+      p.lse[q_row * p.num_kv_heads * p.group_size + head] = __int_as_float(0xff800000);
+  }
+}
 
 // A row tile's KV range [0, kv_end) in splits of `chunk` tokens (a multiple of kTile), `active`
 // of them; from the live lengths, so a captured graph stays right as they change.
@@ -133,6 +164,10 @@ struct CtaWork {
     idle = row0 >= sr.rows;
     if (idle) return;
     tile_rows = min(CTA_ROWS, sr.rows - row0);
+    if (sr.empty(p)) {  // no KV: split 0's retire() writes the tile's rows
+      idle = true;
+      return;
+    }
     const int kv_end = sr.limit(p, row0 + tile_rows - 1);
     tile_splits<TOKENS>(p, kv_end, chunk, active);
     idle = split >= active;
@@ -148,9 +183,12 @@ struct CtaWork {
     wait_for_previous_grid();
     if (flagger() && sr.flags) atomicOr(p.error_flags, sr.flags);
   }
-  // An idle CTA's exit.
+  // An idle CTA's exit; split 0 of an empty sequence's row tile first writes its rows.
+  template <int HEAD_DIM>
   __device__ __forceinline__ void retire(const MultiParams& p) const {
     if (early) wait_then_flag(p);
+    if (split == 0 && row0 < sr.rows && sr.empty(p))
+      write_empty_rows(p, HEAD_DIM, sr.q0, kvh, row0, tile_rows);
   }
   // Whether the loader's first STAGES - 1 tiles may be issued before the wait (early reads,
   // and they lie before the chunk, which the previous kernel may write).

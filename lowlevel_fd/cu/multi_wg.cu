@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // Programmatic launch and early reads as multi.cu's (CtaWork; PERF_NOTES m17, m19).
   const CtaWork<L::kCtaRows, L::kTokens> work(p);
   if (work.idle) {
-    work.retire(p);
+    work.template retire<HEAD_DIM>(p);
     return;
   }
   const SequenceRows& sr = work.sr;

@@ -15,9 +15,11 @@ from ..core.spec import CreatedFromOptions, KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
+from ..multi.plan import PreparedRun
 from .bind import RunBinder, advance_pages
 from .params import DecodeParams
 from .planner import TileConfig, Workload, check_config, choose
+from .route import MultiRoute, wants_multi
 from .variants import LENGTHS, CombineVariant, DecodeVariant, head_chunks
 
 _LOG2E = 1.4426950408889634
@@ -29,7 +31,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
     ``plan(seq_lens)`` picks the launch for a batch; ``run(...)`` executes it on a stream with
     no allocation, synchronisation or compilation. The log-sum-exp it can return is the
     natural logarithm (FlashInfer's is base 2). ``dtype`` is that of q, out and the new K/V
-    rows (fp16 or bf16).
+    rows (fp16 or bf16). A group of 16 query heads or more over a large KV (planner rule 8)
+    runs ``run`` on the multi-token kernel (``describe()["backend"]``), with the same contract.
     """
 
     def __init__(self, cache: KVCacheSpec, num_q_heads: int, *, max_batch: int,
@@ -57,15 +60,19 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._table_window = self._programmatic = False  # set by plan()
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, close_all, self._workspace)
+        self._route = MultiRoute(self.cache, self.num_q_heads, self.max_batch, self.max_seq_len,
+                                 self.dtype, self.sm_scale, self.device)
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Any, *, config: TileConfig | None = None,
-             append: bool = False) -> "DecodePlan":
+             append: bool = False, multi: bool | None = None) -> "DecodePlan":
         """Choose splits and tiles for these host lengths ``[B]`` (the tokens in each cache),
         compile and load the kernels (once per process), size the workspace. With ``append``
         the fused-append kernel of ``append_and_run`` is loaded too, planned for the
         ``seq_lens[b] + 1`` tokens it attends. A captured graph stays valid for any device
-        lengths up to the cache's capacity, but must be recaptured after re-planning."""
+        lengths up to the cache's capacity, but must be recaptured after re-planning.
+        ``multi``: run ``run`` on the multi-token kernel (True) or the decode kernel (False);
+        None lets the planner choose (rule 8: groups of 16+ heads over a large KV, sm_90)."""
         check.flag("append", append)
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
@@ -74,6 +81,9 @@ class DecodePlan(OnCache, CreatedFromOptions):
             lengths = lengths + 1
         if config is not None:
             check_config(config)
+        routed = wants_multi(multi, self.cache, self.group_size,
+                             head_chunks(self.group_size)[1], lengths, self.device,
+                             config is not None)
         batch, longest = int(lengths.size), int(lengths.max())
         hopper = self.device.compute_capability >= (9, 0)
         cta_heads, chunks, chunk_heads = head_chunks(self.group_size,
@@ -138,9 +148,11 @@ class DecodePlan(OnCache, CreatedFromOptions):
                 LaunchConfig((slots, batch), combine.threads, combine.shared_bytes), p)
         self._advance = load_kernels(LENGTHS, self.device)[0]
         self._hopper = hopper
+        self._route.planned(lengths if routed else None)
         self._binder.planned(batch, longest)
         self._generation += 1
         self._description = {
+            "backend": "multi" if routed else "decode", "multi": self._route.describe(),
             "batch": batch, "grid": grid, "block": variant.threads,
             "group_size": self.group_size, "cta_heads": self.cta_heads,
             "head_chunks": self.head_chunks, "table_window": self._table_window,
@@ -189,7 +201,11 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out,
                           lse, block_table)
         self._params.append = self._params.early_reads = 0
-        self._launch(False, stream)
+        if self._route.active:
+            self._route.run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
+                            block_table, stream)
+        else:
+            self._launch(False, stream)
 
     def append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
                        k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, *,
@@ -233,7 +249,9 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
                           block_table)
         params.append = params.early_reads = 0
-        return PreparedCall(self, params, False)
+        routed = (self._route.prepare(q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
+                                      block_table) if self._route.active else None)
+        return PreparedCall(self, params, False, routed)
 
     def prepare_append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any,
                                v_cache: Any, k_scale: Any, v_scale: Any, seq_lens: Any,
@@ -288,7 +306,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
         the launches went to), then clears on it; 0 before the first plan."""
         self._require_open()
         word = self._workspace.get("error_flags")
-        return 0 if word is None else word.read(stream, clear)
+        flags = 0 if word is None else word.read(stream, clear)
+        return flags | self._route.error_flags(stream, clear)
 
     def _require_open(self) -> None:
         if not self._finalizer.alive:
@@ -303,6 +322,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
     def close(self) -> None:
         """Free the workspace; the plan cannot run afterwards."""
         self._finalizer()
+        self._route.close()
         self._split = self._split_append = self._combine = None
 
     def __enter__(self) -> "DecodePlan":
@@ -316,17 +336,21 @@ class PreparedCall:
     """A validated call of a DecodePlan: ``launch(stream)`` issues it, valid until the plan is
     planned again or closed."""
 
-    __slots__ = ("_plan", "_params", "_append", "_generation")
+    __slots__ = ("_plan", "_params", "_append", "_generation", "_routed")
 
-    def __init__(self, plan: DecodePlan, params: DecodeParams, append: bool) -> None:
+    def __init__(self, plan: DecodePlan, params: DecodeParams, append: bool,
+                 routed: PreparedRun | None = None) -> None:
         self._plan, self._params, self._append = plan, params, append
-        self._generation = plan._generation
+        self._generation, self._routed = plan._generation, routed
 
     def launch(self, stream: StreamLike) -> None:
         plan = self._plan
         plan._require_open()
         if self._generation != plan._generation:
             raise RuntimeError("PreparedCall: the plan was planned again; prepare the call anew")
+        if self._routed is not None:
+            self._routed.launch(stream)
+            return
         ctypes.memmove(ctypes.addressof(plan._params), ctypes.addressof(self._params),
                        ctypes.sizeof(DecodeParams))
         plan._launch(self._append, stream)

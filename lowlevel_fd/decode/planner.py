@@ -22,6 +22,10 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
    the SMs, one CTA each) and every split is long (>= 1024 tokens): 9-11% faster at B=1 for
    S >= 32768, 2-4% at S = 8192 and 16384; slower with 512-token splits or 128 CTAs
    (PERF_NOTES.md v9, v12).
+8. Groups of 16 heads or more on sm_90 (head_dim 64 or 128) run on the multi-token kernels
+   (MultiPlan's decode rows) where the KV is large enough (``routes_to_multi``): decode serves
+   such a group in ceil(group / 16) CTAs that each stream the KV head, the multi-token
+   kernels share each KV tile among all the group's heads (PERF_NOTES.md v23).
 """
 from __future__ import annotations
 
@@ -39,6 +43,16 @@ SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the
 TWO_TILE_SPLIT_TOKENS = 1024  # the shortest split that takes two tiles per warp step (rule 7)
 TWO_TILE_HEAD_DIMS = (128,)  # where rule 7 was measured
 DEFAULT_WARPS = 8  # rule 1; every warp default (TileConfig, variants, the demo) derives from it
+# Rule 8, by decode's CTAs per KV head (head chunks of 16): the least KV bytes per launch (int8
+# K and V, all sequences and KV heads) and (sequence, KV head) pairs from which the multi-token
+# kernel wins. H100, S = 1024-16384, B = 1-128 (PERF_NOTES.md v23): with 3 or more chunks it
+# wins from 16 MiB (B=64 S=1024 group 48: 20.1 vs 22.4 us; 8 MiB loses: group 64 B=32 S=1024
+# 19.3 vs 12.2); with 2 from 64 MiB over >= 32 pairs (B=32 Hkv=2 group 32: 39.1 vs 58.7 us;
+# B=16 S=16384 group 32 loses, 42.3 vs 39.9); with 1 (group 16) from 64 MiB over >= 96 pairs
+# (B=128 S=4096: 59.2 vs 71.4; B=32 S=16384 loses, 59.2 vs 57.2).
+MULTI_ROUTE = {1: (64 << 20, 96), 2: (64 << 20, 32), 3: (16 << 20, 1)}
+MULTI_ROUTE_MIN_GROUP = 16
+MULTI_ROUTE_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,17 @@ class Workload:
     ctas_per_sm: int
     group_size: int = 4
     head_dim: int = 128
+
+
+def routes_to_multi(group_size: int, head_dim: int, chunks: int, kv_bytes: int, pairs: int,
+                    hopper: bool) -> bool:
+    """Rule 8: whether a decode launch of ``kv_bytes`` int8 K and V over ``pairs`` (sequence,
+    KV head) pairs, whose group decode serves in ``chunks`` CTAs, runs on the multi-token
+    kernel."""
+    if not hopper or group_size < MULTI_ROUTE_MIN_GROUP or head_dim not in MULTI_ROUTE_HEAD_DIMS:
+        return False
+    least_bytes, least_pairs = MULTI_ROUTE[min(chunks, 3)]
+    return kv_bytes >= least_bytes and pairs >= least_pairs
 
 
 def default_min_split_tokens(num_warps: int) -> int:

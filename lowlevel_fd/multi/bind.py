@@ -1,4 +1,5 @@
-"""Check the arguments of MultiPlan.run and write them into its parameter block.
+"""Check the arguments of MultiPlan.plan (its host copies) and MultiPlan.run (writing them into
+its parameter block).
 
 The cache arrays go through the shared binder (core.binding); this module adds the family's own
 arguments: the packed queries and outputs, the lengths and ``qo_indptr``, the optional LSE,
@@ -9,12 +10,53 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..core import support
 from ..core import validate as check
 from ..core.binding import check_cache, rope_table, wrap_cache, write_cache_fields
 from ..core.spec import KVCacheSpec
 from ..driver import Device, DeviceArray
 from .params import MultiParams
+
+
+def host_queries(qo_indptr: Any, seq_lens: Any, max_batch: int,
+                 max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The host copies plan() reads: ``qo_indptr`` [B + 1] (monotone, from 0) and ``seq_lens``
+    [B] with qo_len[b] <= seq_lens[b] <= max_seq_len, or ``qo_indptr`` None: one query row per
+    sequence, empty sequences allowed. Returns (qo_lens, seq_lens) as int64."""
+    if qo_indptr is None:
+        lengths = check.host_lengths("seq_lens", seq_lens, max_batch, max_seq_len)
+        return np.ones(lengths.size, np.int64), lengths
+    for name, values in (("qo_indptr", qo_indptr), ("seq_lens", seq_lens)):
+        if isinstance(values, DeviceArray) or hasattr(values, "__cuda_array_interface__"):
+            raise TypeError(f"{name}: plan() needs the host copy (list or numpy), got a device "
+                            f"array")
+    indptr = check.host_array("qo_indptr", qo_indptr)
+    if indptr.ndim != 1 or indptr.size < 2 or not np.issubdtype(indptr.dtype, np.integer):
+        raise ValueError(f"qo_indptr: expected an integer [B + 1] array with B >= 1, got "
+                         f"{indptr.dtype} {indptr.shape}")
+    indptr = indptr.astype(np.int64)
+    if indptr[0] != 0:
+        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {int(indptr[0])}")
+    qo_lens = np.diff(indptr)
+    falling = np.flatnonzero(qo_lens < 0)
+    if falling.size:
+        b = int(falling[0])
+        raise ValueError(f"qo_indptr: expected a non-decreasing array, got qo_indptr[{b + 1}]="
+                         f"{int(indptr[b + 1])} < qo_indptr[{b}]={int(indptr[b])}")
+    check.int32_count("qo_indptr", int(indptr[-1]), "query rows (total_q)")
+    lengths = check.host_lengths("seq_lens", seq_lens, max_batch, max_seq_len)
+    if lengths.size != qo_lens.size:
+        raise ValueError(f"seq_lens: expected {qo_lens.size} lengths (one per qo_indptr "
+                         f"interval), got {lengths.size}")
+    over = np.flatnonzero(qo_lens > lengths)
+    if over.size:
+        b = int(over[0])
+        raise ValueError(f"qo_indptr: sequence {b} has qo_len {int(qo_lens[b])} > seq_lens[{b}]="
+                         f"{int(lengths[b])} (seq_lens counts the cached tokens including the "
+                         f"chunk's)")
+    return qo_lens, lengths
 
 
 class MultiBinder:
@@ -24,21 +66,28 @@ class MultiBinder:
     def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device) -> None:
         self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
         self.batch = self.total_q = self.longest = self.longest_chunk = 0
-        self.tree = False
+        self.tree = self.decode_rows = False
         self._validated: tuple = ()
 
     def planned(self, batch: int, total_q: int, longest: int, longest_chunk: int,
-                tree: bool = False) -> None:
+                tree: bool = False, decode_rows: bool = False) -> None:
         self.batch, self.total_q, self.longest = batch, total_q, longest
         self.longest_chunk, self.tree, self._validated = longest_chunk, tree, ()
+        self.decode_rows = decode_rows
 
     def bind(self, p: MultiParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, qo_indptr: Any, out: Any, lse: Any,
              block_table: Any, cos_sin: Any, rotate_q: bool, tree_mask: Any = None) -> None:
         wrap, device = check.device_array, self.device
+        if (qo_indptr is None) != self.decode_rows:
+            raise ValueError("qo_indptr: the plan was made with qo_indptr=None (one query row "
+                             "per sequence); pass None" if self.decode_rows else
+                             "qo_indptr: expected an int32 [B + 1] device array (the plan was "
+                             "made with one), got None")
         own = (wrap("q", q, device, elements=False), wrap("out", out, device, elements=False),
                wrap("seq_lens", seq_lens, device, elements=False),
-               wrap("qo_indptr", qo_indptr, device, elements=False),
+               None if qo_indptr is None else wrap("qo_indptr", qo_indptr, device,
+                                                   elements=False),
                None if lse is None else wrap("lse", lse, device, elements=False),
                None if cos_sin is None else wrap("cos_sin", cos_sin, device, elements=False),
                None if tree_mask is None else wrap("tree_mask", tree_mask, device,
@@ -53,7 +102,8 @@ class MultiBinder:
             self._validated = key
         q_arr, out_arr, lengths, indptr, lse_arr, table, tree = own
         item = q_arr.itemsize
-        p.q, p.out, p.seq_lens, p.qo_indptr = q_arr.ptr, out_arr.ptr, lengths.ptr, indptr.ptr
+        p.q, p.out, p.seq_lens = q_arr.ptr, out_arr.ptr, lengths.ptr
+        p.qo_indptr = 0 if indptr is None else indptr.ptr
         p.lse = 0 if lse_arr is None else lse_arr.ptr
         p.q_token_stride, p.q_head_stride = q_arr.strides[0] // item, q_arr.strides[1] // item
         p.out_token_stride = out_arr.strides[0] // item
@@ -89,9 +139,10 @@ class MultiBinder:
             raise ValueError(f"k_cache: capacity {capacity} tokens is below the planned longest "
                              f"sequence {self.longest}")
         check.device_lengths("seq_lens", lengths, self.device, self.batch)
-        check.dtype("qo_indptr", indptr, ("int32",))
-        check.shape("qo_indptr", indptr, (self.batch + 1,), "[B + 1]")
-        check.contiguous("qo_indptr", indptr)
+        if indptr is not None:
+            check.dtype("qo_indptr", indptr, ("int32",))
+            check.shape("qo_indptr", indptr, (self.batch + 1,), "[B + 1]")
+            check.contiguous("qo_indptr", indptr)
         if lse is not None:
             check.element_aligned("lse", lse)
             check.dtype("lse", lse, ("float32",))

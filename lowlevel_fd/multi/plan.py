@@ -2,6 +2,7 @@
 prefill, speculative verification). ``plan()`` does the host work; ``run()`` only launches."""
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import Any
 
@@ -15,48 +16,13 @@ from ..core.spec import CreatedFromOptions, KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
-from .bind import MultiBinder
+from .bind import MultiBinder, host_queries
 from .params import MultiParams
 from .planner import MAX_SPLITS, MultiWorkload, choose_ksplit, choose_splits, choose_wg_rows
 from .variants import WG_ROWS, MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
 MAX_GRID_Z = 65535  # the batch is grid.z
-
-
-def host_queries(qo_indptr: Any, seq_lens: Any, max_batch: int,
-                 max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """The host copies plan() reads: ``qo_indptr`` [B + 1] (monotone, from 0) and ``seq_lens``
-    [B] with qo_len[b] <= seq_lens[b] <= max_seq_len. Returns (qo_lens, seq_lens) as int64."""
-    for name, values in (("qo_indptr", qo_indptr), ("seq_lens", seq_lens)):
-        if isinstance(values, DeviceArray) or hasattr(values, "__cuda_array_interface__"):
-            raise TypeError(f"{name}: plan() needs the host copy (list or numpy), got a device "
-                            f"array")
-    indptr = check.host_array("qo_indptr", qo_indptr)
-    if indptr.ndim != 1 or indptr.size < 2 or not np.issubdtype(indptr.dtype, np.integer):
-        raise ValueError(f"qo_indptr: expected an integer [B + 1] array with B >= 1, got "
-                         f"{indptr.dtype} {indptr.shape}")
-    indptr = indptr.astype(np.int64)
-    if indptr[0] != 0:
-        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {int(indptr[0])}")
-    qo_lens = np.diff(indptr)
-    falling = np.flatnonzero(qo_lens < 0)
-    if falling.size:
-        b = int(falling[0])
-        raise ValueError(f"qo_indptr: expected a non-decreasing array, got qo_indptr[{b + 1}]="
-                         f"{int(indptr[b + 1])} < qo_indptr[{b}]={int(indptr[b])}")
-    check.int32_count("qo_indptr", int(indptr[-1]), "query rows (total_q)")
-    lengths = check.host_lengths("seq_lens", seq_lens, max_batch, max_seq_len)
-    if lengths.size != qo_lens.size:
-        raise ValueError(f"seq_lens: expected {qo_lens.size} lengths (one per qo_indptr "
-                         f"interval), got {lengths.size}")
-    over = np.flatnonzero(qo_lens > lengths)
-    if over.size:
-        b = int(over[0])
-        raise ValueError(f"qo_indptr: sequence {b} has qo_len {int(qo_lens[b])} > seq_lens[{b}]="
-                         f"{int(lengths[b])} (seq_lens counts the cached tokens including the "
-                         f"chunk's)")
-    return qo_lens, lengths
 
 
 class MultiPlan(OnCache, CreatedFromOptions):
@@ -70,6 +36,10 @@ class MultiPlan(OnCache, CreatedFromOptions):
     ``plan(qo_indptr, seq_lens)`` takes host copies; ``run`` reads the device copies, so a
     captured graph follows new values within the plan (the same batch, total_q, at most
     the planned row tiles per sequence).
+
+    Decode rows (``qo_indptr=None`` in both): one query row per sequence, row b of q for
+    sequence b, over its ``seq_lens[b]`` tokens; a sequence with none gets out 0 and lse -inf
+    and raises no flag, as in DecodePlan (which runs its many-head groups this way).
     """
 
     def __init__(self, cache: KVCacheSpec, num_q_heads: int, *, max_batch: int,
@@ -89,6 +59,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._params = MultiParams()
         self._launch: PreparedLaunch | None = None
         self._grid = (0, 0, 0)
+        self._generation = 0  # bumped by every plan(): PreparedRuns of older plans are stale
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, close_all, self._workspace)
 
@@ -97,8 +68,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
              num_splits: int | None = None, ksplit: int | None = None,
              tree: bool = False, wgmma: bool | None = None,
              wg_rows: int | None = None) -> "MultiPlan":
-        """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0) and
-        ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
+        """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0, or None:
+        decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
         ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
         its warps per 16 query rows (see ``ksplits``). ``tree``: run() will take tree masks
         (speculative trees); the plan then uses the split-warp kernel (ksplit > 1), which
@@ -115,6 +86,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         if num_splits is not None:  # checked before anything is compiled or loaded
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
+        decode_rows = qo_indptr is None
         allowed = ksplits(self.head_dim)[1:] if tree else ksplits(self.head_dim)
         if ksplit is not None and ksplit not in allowed:
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
@@ -148,6 +120,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
         p.num_splits, p.min_split_tokens = splits, min_tokens
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
+        p.decode_rows = int(decode_rows)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
@@ -155,9 +128,12 @@ class MultiPlan(OnCache, CreatedFromOptions):
         programmatic = self.device.compute_capability >= (9, 0)
         self._launch = kernel.prepare(
             LaunchConfig(self._grid, threads, shared, programmatic=programmatic), p)
-        self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree)
+        self._generation += 1
+        self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree,
+                             decode_rows)
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
+            "decode_rows": decode_rows,
             "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
             "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
             "max_tiles": tiles,
@@ -224,7 +200,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
 
         q, out: ``[total_q, Hq, D]`` fp16/bf16 (out may be q itself); caches and scales as
         for DecodePlan.run (contiguous or paged with ``block_table``); seq_lens: int32 ``[B]``
-        and qo_indptr: int32 ``[B + 1]`` on the device; lse: optional fp32 ``[total_q, Hq]``
+        and qo_indptr: int32 ``[B + 1]`` on the device (None for a plan of decode rows); lse: optional fp32 ``[total_q, Hq]``
         (natural log). ``rotate_q``: apply the spec's RoPE to q at the rows' positions first
         (angles from ``cos_sin`` [max_pos, D/2, 2] or ``rope_theta``), as the writers rotate K.
         ``tree_mask`` (a plan made with ``tree=True``): speculative trees, uint32/int32
@@ -254,6 +230,20 @@ class MultiPlan(OnCache, CreatedFromOptions):
         if self._binder.total_q:
             self._launch.launch(stream)  # type: ignore[union-attr]
 
+    def prepare_run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+                    seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
+                    block_table: Any = None, rotate_q: bool = False, cos_sin: Any = None,
+                    tree_mask: Any = None, early_reads: bool = False) -> "PreparedRun":
+        """``run``'s arguments, validated once: ``launch(stream)`` on the result issues the
+        same launch with no further checks, until the next ``plan``."""
+        check.flag("early_reads", early_reads)
+        self._require_planned()
+        params = MultiParams.from_buffer_copy(self._params)
+        self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, qo_indptr,
+                          out, lse, block_table, cos_sin, rotate_q, tree_mask)
+        params.early_reads = int(early_reads)
+        return PreparedRun(self, params, self._binder.total_q > 0)
+
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """The planned launch: grid, splits, registers, shared memory."""
@@ -279,9 +269,31 @@ class MultiPlan(OnCache, CreatedFromOptions):
         """Free the workspace; the plan cannot run afterwards."""
         self._finalizer()
         self._launch = None
+        self._generation += 1
 
     def __enter__(self) -> "MultiPlan":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PreparedRun:
+    """A validated call of a MultiPlan: ``launch(stream)`` issues it, valid until the plan is
+    planned again or closed."""
+
+    __slots__ = ("_plan", "_params", "_rows", "_generation")
+
+    def __init__(self, plan: MultiPlan, params: MultiParams, rows: bool) -> None:
+        self._plan, self._params, self._rows = plan, params, rows
+        self._generation = plan._generation
+
+    def launch(self, stream: StreamLike) -> None:
+        plan = self._plan
+        plan._require_open()
+        if self._generation != plan._generation:
+            raise RuntimeError("PreparedRun: the plan was planned again; prepare the call anew")
+        ctypes.memmove(ctypes.addressof(plan._params), ctypes.addressof(self._params),
+                       ctypes.sizeof(MultiParams))
+        if self._rows:
+            plan._launch.launch(stream)  # type: ignore[union-attr]

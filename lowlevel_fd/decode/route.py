@@ -1,0 +1,89 @@
+"""DecodePlan's route to the multi-token kernels (planner rule 8): a group of 16 query heads or
+more over a large KV runs as MultiPlan's decode rows (one query row per sequence, empty
+sequences written as decode writes them), whose kernels share each KV tile among all the
+group's heads. Only ``run`` (and ``prepare_run``) take the route; ``append_and_run`` stays on
+the fused decode kernel. The multi family is used through its public plan only."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..core import validate as check
+from ..core.spec import KVCacheSpec
+from ..driver import Device
+from ..driver.stream import StreamLike
+from ..multi import MultiPlan
+from ..multi.plan import PreparedRun
+from .planner import routes_to_multi
+
+MAX_MULTI_BATCH = 65535  # MultiPlan's batch is its grid.z
+
+
+def wants_multi(multi: bool | None, cache: KVCacheSpec, group_size: int, chunks: int,
+                lengths: np.ndarray, device: Device, configured: bool) -> bool:
+    """Whether a plan of these host ``lengths`` takes the route: ``multi`` True / False forces
+    it (True: not with a decode ``config``), None applies rule 8."""
+    if multi is not None:
+        check.flag("multi", multi)
+        if multi and configured:
+            raise ValueError("multi: a TileConfig plans the decode kernel; pass config=None "
+                             "with multi=True")
+        if multi and lengths.size > MAX_MULTI_BATCH:
+            raise ValueError(f"multi: the multi-token kernel takes at most {MAX_MULTI_BATCH} "
+                             f"sequences, got {lengths.size}")
+        return multi
+    if configured or lengths.size > MAX_MULTI_BATCH:
+        return False
+    kv_bytes = int(lengths.sum()) * cache.num_kv_heads * 2 * cache.head_dim
+    return routes_to_multi(group_size, cache.head_dim, chunks, kv_bytes,
+                           int(lengths.size) * cache.num_kv_heads,
+                           device.compute_capability >= (9, 0))
+
+
+class MultiRoute:
+    """The MultiPlan a DecodePlan runs its routed launches on (made on first use, kept across
+    plans, closed with the DecodePlan)."""
+
+    def __init__(self, cache: KVCacheSpec, num_q_heads: int, max_batch: int, max_seq_len: int,
+                 dtype: str, sm_scale: float, device: Device) -> None:
+        self._args = (cache, num_q_heads, max_batch, max_seq_len, dtype, sm_scale, device)
+        self.plan: MultiPlan | None = None
+        self.active = False
+
+    def planned(self, lengths: np.ndarray | None) -> None:
+        """Plan the route for these host lengths, or (None) leave it."""
+        self.active = lengths is not None
+        if lengths is None:
+            return
+        if self.plan is None:
+            cache, heads, max_batch, max_seq_len, dtype, sm_scale, device = self._args
+            self.plan = MultiPlan(cache, heads, max_batch=min(max_batch, MAX_MULTI_BATCH),
+                                  max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale,
+                                  device=device)
+        self.plan.plan(None, lengths, causal=False)
+
+    def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+            seq_lens: Any, out: Any, lse: Any, block_table: Any, stream: StreamLike) -> None:
+        plan = self.plan
+        assert plan is not None and self.active
+        plan.run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out, lse=lse,
+                 block_table=block_table, stream=stream)
+
+    def prepare(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+                seq_lens: Any, out: Any, lse: Any, block_table: Any) -> PreparedRun:
+        plan = self.plan
+        assert plan is not None and self.active
+        return plan.prepare_run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out,
+                                lse=lse, block_table=block_table)
+
+    def error_flags(self, stream: StreamLike, clear: bool) -> int:
+        return 0 if self.plan is None else self.plan.error_flags(stream=stream, clear=clear)
+
+    def describe(self) -> dict[str, Any]:
+        return self.plan.describe() if self.active and self.plan is not None else {}
+
+    def close(self) -> None:
+        if self.plan is not None:
+            self.plan.close()
+        self.active = False
