@@ -3,8 +3,9 @@ CUDA graph (or the same launches issued eagerly), with the lengths advancing on 
 
 Fused (the default): one launch per layer, ``DecodePlan.append_and_run``, rotates the layer's
 new token and query at position ``seq_lens[b]``, writes the token into the cache and attends
-the ``seq_lens[b] + 1`` tokens; every layer reads the same ``seq_lens``, and one
-``advance_lengths`` launch after the last layer bumps them:
+the ``seq_lens[b] + 1`` tokens (two launches where the plan routes a large group to the
+multi-token kernels: the append kernel, then attention); every layer reads the same
+``seq_lens``, and one ``advance_lengths`` launch after the last layer bumps them:
 
     layer i   append_and_run at seq_lens              (writes at L, attends L + 1)
     advance   seq_lens[b] += 1 where the write happened
@@ -297,7 +298,7 @@ class DecodeStep:
         """Launches per layer, graph nodes per step besides them, and the attention plan."""
         attention = self.attention.describe()
         if self.fused:  # append_and_run per layer, advance_lengths once
-            per_layer, per_step, copies = attention.get("launches", 1), 1, 0
+            per_layer, per_step, copies = attention.get("append_launches", 1), 1, 0
         else:  # append + attention per layer, the positions copy once
             per_layer, per_step, copies = 1 + attention.get("launches", 1), 0, int(
                 self.num_layers > 1)

@@ -399,6 +399,9 @@ import test_decode_route_gpu as route  # noqa: E402
 case("decode rows: empty sequences, every multi kernel, KV splits, early reads",
      lambda rng, stream: route.test_multi_decode_rows_match_the_decode_oracle_on_every_kernel(
          rng, stream, Device(0), 128, 71, 3))
+case("decode rows: DecodePlan routed append_and_run, positions outside the cache",
+     lambda rng, stream:
+     route.test_routed_append_outside_the_cache_writes_nothing_and_raises_the_flag(rng, stream))
 case("decode rows: DecodePlan routed over pages (hnd, page 1)",
      lambda rng, stream: route.test_routed_decode_over_pages_matches_the_oracle(
          rng, stream, "hnd", 1, "token", "float32"))

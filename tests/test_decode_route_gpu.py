@@ -2,17 +2,22 @@
 (``qo_indptr=None``) on the GPU, against the float64 decode oracle: every multi-token kernel
 (split warps, whole tiles, the 64- and 128-row warpgroup kernels), empty sequences written as
 decode writes them (out 0, lse -inf, no flag), KV splits and their merge, every scale mode,
-contiguous and paged layouts, graph replay of a prepared call after the lengths change."""
+contiguous and paged layouts, graph replay of a prepared call after the lengths change; the
+routed append_and_run (append kernel, then attention with q rotated in the kernel) against the
+fused append's oracle (cache bytes, q untouched, positions outside the cache) and DecodeStep
+on it, graph and eager bitwise equal."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from decode_case import Case
 from paged_case import paginate
+from test_fused_append_gpu import Fused
 from test_paged_gpu import CACHE, contiguous
 
-from lowlevel_fd import DecodePlan, MultiPlan
+from lowlevel_fd import ERROR_OUTSIDE_CACHE, DecodePlan, DecodeStep, LayerBuffers, MultiPlan
 from lowlevel_fd.driver import DeviceArray, capture, dtypes
+from lowlevel_fd.quant import hadamard_rows
 from lowlevel_fd.multi.variants import ksplits, wgmma_available
 
 pytestmark = pytest.mark.gpu
@@ -168,3 +173,120 @@ def test_decode_rows_take_no_qo_indptr_and_packed_plans_need_one(rng, stream):
         with pytest.raises(ValueError, match="got None"):
             plan.run(d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"], d["seq_lens"],
                      None, d["out"], stream=stream)
+
+
+# (head_dim, Hq, Hkv, kv_layout, scale_mode, scale_dtype, dtype, rope, table, key_transform)
+APPEND = [
+    (128, 64, 1, "bnsh", "token", "float32", "float16", "neox", True, "none"),
+    (128, 32, 2, "bsnh", "token", "float16", "bfloat16", "gptj", False, "none"),
+    (64, 48, 1, "bnsh", "head", "float32", "float16", None, False, "none"),
+    (128, 71, 1, "bsnh", "tensor", "float32", "float16", "neox", False, "hadamard"),
+    (64, 128, 1, "bnsh", "token", "float32", "bfloat16", "gptj", True, "hadamard"),
+]
+
+
+@pytest.mark.parametrize("head_dim, hq, hkv, kv_layout, scale_mode, scale_dtype, dtype, rope, "
+                         "table, key_transform", APPEND)
+def test_routed_append_and_run_matches_the_fused_oracle(rng, stream, head_dim, hq, hkv,
+                                                        kv_layout, scale_mode, scale_dtype,
+                                                        dtype, rope, table, key_transform):
+    fused = Fused(rng, [0, 63, 1024, 4097, 5], rope=rope, table=table, num_q_heads=hq,
+                  num_kv_heads=hkv, head_dim=head_dim, kv_layout=kv_layout,
+                  scale_mode=scale_mode, scale_dtype=scale_dtype, dtype=dtype,
+                  key_transform=key_transform)
+    if key_transform != "none" and not rope:  # no RoPE: the caller passes q transformed
+        q = fused.case.host["q"]
+        fused.case.host["q"] = hadamard_rows(q).astype(q.dtype)
+        fused.device["q"] = DeviceArray.from_numpy(fused.case.host["q"])
+    fused.round_query = False  # the multi-token kernel keeps the rotated q in fp16 per row
+    fused.check(*fused.run(stream, multi=True))  # cache bytes, q untouched, out, lse
+    described = fused.plan.describe()
+    assert described["backend"] == "multi" and described["append_launches"] == 2
+    assert fused.plan.error_flags(stream=stream) == 0
+    fused.plan.close()
+
+
+def test_routed_append_outside_the_cache_writes_nothing_and_raises_the_flag(rng, stream):
+    fused = Fused(rng, [4100, -1, 5, 4107], rope="gptj", num_q_heads=64, num_kv_heads=1)
+    out, lse = fused.run(stream, multi=True)
+    fused.check(out, lse)  # the oracle attends min(max(pos, 0), S_max) with q unrotated
+    assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
+    assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
+    fused.plan.close()
+
+
+def test_prepared_routed_append_and_run_launches_bitwise_what_append_and_run_does(rng, stream):
+    fused = Fused(rng, [7, 300, 2048, 4100], rope="neox", table=True, num_q_heads=64,
+                  num_kv_heads=1)
+    c, d = fused.case, fused.device
+    fused.check(*fused.run(stream, multi=True))
+    assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
+    names = ("out", "lse", "k", "v", "k_scale", "v_scale", "q")
+    expected = {name: d[name].numpy().tobytes() for name in names}
+    args = (d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"], d["v_scale"],
+            d["seq_lens"], d["out"])
+    for early_reads in (False, True):
+        prepared = fused.plan.prepare_append_and_run(*args, cos_sin=d["cos_sin"], lse=d["lse"],
+                                                     early_reads=early_reads)
+        for name in ("k", "v", "k_scale", "v_scale"):  # the caches before the append
+            d[name].copy_from_numpy(c.host[name])
+        d["out"].fill(float("nan"))
+        d["lse"].fill(float("nan"))
+        with capture(stream) as graph:
+            prepared.launch(stream)
+        graph.launch(stream)
+        stream.synchronize()
+        graph.close()
+        for name in names:
+            assert d[name].numpy().tobytes() == expected[name], (early_reads, name)
+        assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, early_reads
+    fused.plan.close()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_step_on_a_routed_plan_replays_bitwise_what_it_issues_eagerly(rng, stream,
+                                                                             fused):
+    batch, hq, hkv, dim, layers, capacity = 3, 64, 1, 128, 3, 600
+    lengths = np.array([0, 257, 511], np.int32)
+    qt = np.float16
+    step = DecodeStep.create(layers, hq, hkv, dim, max_batch=batch, max_seq_len=capacity,
+                             rope="neox", fused=fused)
+    step.plan(lengths)
+    step.attention.plan(lengths + (0 if fused else 1), append=fused, multi=True)
+    assert step.attention.describe()["backend"] == "multi"
+    host = {"k": [rng.integers(-127, 128, (batch, hkv, capacity, dim), dtype=np.int8)
+                  for _ in range(layers)],
+            "v": [rng.integers(-127, 128, (batch, hkv, capacity, dim), dtype=np.int8)
+                  for _ in range(layers)],
+            "s": [rng.uniform(0.004, 0.012, (batch, hkv, capacity)).astype(np.float32)
+                  for _ in range(2 * layers)],
+            "q": [rng.standard_normal((batch, hq, dim)).astype(qt) for _ in range(layers)],
+            "new": [rng.standard_normal((batch, hkv, dim)).astype(qt)
+                    for _ in range(2 * layers)]}
+
+    def buffers():
+        return [LayerBuffers(DeviceArray.from_numpy(host["q"][i]),
+                             DeviceArray.from_numpy(host["new"][2 * i]),
+                             DeviceArray.from_numpy(host["new"][2 * i + 1]),
+                             DeviceArray.from_numpy(host["k"][i]),
+                             DeviceArray.from_numpy(host["v"][i]),
+                             DeviceArray.from_numpy(host["s"][2 * i]),
+                             DeviceArray.from_numpy(host["s"][2 * i + 1]),
+                             DeviceArray.empty((batch, hq, dim), qt))
+                for i in range(layers)]
+
+    results = []
+    for graphed in (False, True):
+        layer_buffers, lens = buffers(), DeviceArray.from_numpy(lengths)
+        if graphed:
+            graph = step.capture(layer_buffers, lens, stream=stream)
+            graph.launch(stream)
+            graph.close()
+        else:
+            step.eager(layer_buffers, lens, stream=stream)
+        stream.synchronize()
+        results.append([(b.out.numpy().tobytes(), b.k_cache.numpy().tobytes())
+                        for b in layer_buffers] + [lens.numpy().tolist()])
+    assert results[0] == results[1]
+    assert results[0][-1] == (lengths + 1).tolist()
+    step.close()

@@ -41,6 +41,7 @@ class Fused:
         self.table = rope_table(capacity, head_dim, THETA) if table else None
         self.positions = np.asarray(positions, np.int64)
         self.key_transform = key_transform
+        self.round_query = True
         self.plan = c.make_plan(rope=rope, rope_theta=THETA, key_transform=key_transform)
         self.device = c.upload()
         self.device["k_new"] = DeviceArray.from_numpy(self.k_new)
@@ -59,9 +60,9 @@ class Fused:
         valid one: S_max - 1 (planned to attend the S_max tokens the kernel clamps to) or 0."""
         return np.clip(self.positions, 0, self.case.capacity - 1)
 
-    def run(self, stream, config: TileConfig | None = None):
+    def run(self, stream, config: TileConfig | None = None, multi: bool | None = None):
         d = self.device
-        self.plan.plan(self.planned(), config=config, append=True)
+        self.plan.plan(self.planned(), config=config, append=True, multi=multi)
         d["out"].fill(float("nan"))
         d["lse"].fill(float("nan"))
         self.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],
@@ -80,8 +81,10 @@ class Fused:
                            kv_layout=c.kv_layout, scale_mode=c.scale_mode,
                            scale_dtype=scale_dtype, rope=self.rope, cos_sin=self.table,
                            theta=THETA, q=h["q"], key_transform=self.key_transform)
-        # The kernel rounds the rotated query once to the query dtype, as append_token does.
-        q_used = q_rot.astype(dtypes.as_dtype(c.dtype)).astype(np.float32)
+        # The kernel rounds the rotated query once to the query dtype, as append_token does
+        # (round_query; the multi-token route keeps it in fp16 scaled per row instead).
+        q_used = (q_rot.astype(dtypes.as_dtype(c.dtype)).astype(np.float32) if self.round_query
+                  else q_rot.astype(np.float32))
         out, lse = decode_attention_ref(q_used, mirror["k"], mirror["v"], mirror["k_scale"],
                                         mirror["v_scale"], self.attended(),
                                         kv_layout=c.kv_layout, scale_mode=c.scale_mode)

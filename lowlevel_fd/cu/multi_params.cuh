@@ -56,7 +56,8 @@ struct MultiParams {
   int32_t early_reads;
   // 1: one query row per sequence (row b of q is sequence b; qo_indptr is not read), and a
   // sequence with no cached tokens is not an error: its rows get out 0 and lse -inf (decode's
-  // contract; DecodePlan runs such plans).
+  // contract; DecodePlan runs such plans). 2: the same over seq_lens[b] + 1 tokens (the token
+  // appended at seq_lens[b] just before: DecodePlan.append_and_run's lengths).
   int32_t decode_rows;
 };
 
@@ -82,7 +83,9 @@ struct SequenceRows {
     } else {
       q0 = p.qo_indptr[b], q1 = p.qo_indptr[b + 1];
     }
-    len = p.seq_lens[b];
+    const int given = p.seq_lens[b];
+    len = given;
+    if (p.decode_rows == 2 && len >= 0 && len <= p.capacity) ++len;  // past it: clamped below
     if (len < 0 || len > p.capacity) {
       flags |= kErrorOutsideCache;
       len = len < 0 ? 0 : p.capacity;
@@ -96,6 +99,9 @@ struct SequenceRows {
     rows = qo_len * p.group_size;
     if (rows > cta_rows * p.max_tiles) flags |= kErrorQueryRange;
     prefix = len - qo_len;
+    // Appended decode rows whose token was not written (outside the cache) attend what is
+    // there with q as given, not rotated (decode's fused append): prefix -1 (load_rows).
+    if (p.decode_rows == 2 && (given < 0 || given >= p.capacity)) prefix = -1;
     if (flagger && flags) atomicOr(p.error_flags, flags);
   }
   // A decode row of a sequence with no cached tokens: written as empty (CtaWork::retire).

@@ -85,7 +85,9 @@ __device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], floa
         x[s][0] = to_float<QT>(words[s].x & 0xffff); x[s][1] = to_float<QT>(words[s].x >> 16);
         x[s][2] = to_float<QT>(words[s].y & 0xffff); x[s][3] = to_float<QT>(words[s].y >> 16);
       }
-      const int pos = sr.prefix + token;
+      // A decode row whose token was not appended has prefix -1 (SequenceRows): position 0,
+      // the identity rotation, so q is used as given.
+      const int pos = max(sr.prefix + token, 0);
       if (p.rope == kRopeNeox && valid) {  // pairs (d, d + D/2): chunks s and s + kChunks/2
 #pragma unroll
         for (int s = 0; s < kChunks / 2; ++s)
@@ -109,7 +111,7 @@ __device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], floa
             x[s][e + 1] = a * cs.y + b * cs.x;
           }
       }
-      if (p.key_transform) hadamard_quad<HEAD_DIM>(x, c);
+      if (p.key_transform && sr.prefix >= 0) hadamard_quad<HEAD_DIM>(x, c);
       float absmax = 0.f;
 #pragma unroll
       for (int s = 0; s < kChunks; ++s)

@@ -1,5 +1,6 @@
 """Decode attention over an INT8 KV cache: the planner, the kernels' programs and DecodePlan."""
-from .plan import DecodePlan, PreparedCall
+from .plan import DecodePlan
+from .prepared import PreparedCall
 from .planner import TileConfig, Workload, choose
 from .variants import CombineVariant, DecodeVariant, shipped_variants
 

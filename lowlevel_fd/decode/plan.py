@@ -1,7 +1,6 @@
 """DecodePlan: ``plan()`` does the host work once, ``run()`` only launches (graph-capturable)."""
 from __future__ import annotations
 
-import ctypes
 import weakref
 from typing import Any
 
@@ -15,10 +14,10 @@ from ..core.spec import CreatedFromOptions, KVCacheSpec, OnCache, cache_spec
 from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
-from ..multi.plan import PreparedRun
 from .bind import RunBinder, advance_pages
 from .params import DecodeParams
 from .planner import TileConfig, Workload, check_config, choose
+from .prepared import PreparedCall
 from .route import MultiRoute, wants_multi
 from .variants import LENGTHS, CombineVariant, DecodeVariant, head_chunks
 
@@ -148,7 +147,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
                 LaunchConfig((slots, batch), combine.threads, combine.shared_bytes), p)
         self._advance = load_kernels(LENGTHS, self.device)[0]
         self._hopper = hopper
-        self._route.planned(lengths if routed else None)
+        self._route.planned(lengths if routed else None, append)
         self._binder.planned(batch, longest)
         self._generation += 1
         self._description = {
@@ -161,7 +160,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
             "num_warps": variant.num_warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
             "programmatic": config.programmatic and hopper,
-            "launches": 1 + (self._combine is not None),
+            "launches": 1 if routed else 1 + (self._combine is not None),
+            "append_launches": 2 if routed else 1 + (self._combine is not None),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + shared,
             "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,
@@ -225,6 +225,10 @@ class DecodePlan(OnCache, CreatedFromOptions):
         ``block_table[b][seq_lens[b] // page_size]`` (an id outside the pool: nothing written,
         ERROR_BAD_PAGE). Plan with ``append=True``. Enqueued on ``stream``; returns at once.
 
+        On a routed plan (``describe()["backend"] == "multi"``) this is two launches: the
+        append kernel (AppendPlan, q untouched), then the multi-token kernel, which rotates q
+        and attends the ``seq_lens[b] + 1`` tokens; the same writes, flags and contract.
+
         ``early_reads`` (Hopper's programmatic launch): the kernel reads ``seq_lens``, the
         caches, their scales and ``cos_sin`` while the kernel before it on the stream is still
         finishing, so its first cache tiles stream during that kernel's tail. Only q, k_new and
@@ -237,7 +241,12 @@ class DecodePlan(OnCache, CreatedFromOptions):
                                  v_scale, seq_lens, out, lse, cos_sin, block_table)
         self._params.early_reads = int(early_reads)
         self._params.table_window = self._window_for(early_reads)
-        self._launch(True, stream)
+        if self._route.active:
+            self._route.append_and_run(q, k_new, v_new, k_cache, v_cache, k_scale, v_scale,
+                                       seq_lens, out, cos_sin, lse, early_reads, block_table,
+                                       stream)
+        else:
+            self._launch(True, stream)
 
     def prepare_run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                     seq_lens: Any, out: Any, *, lse: Any = None,
@@ -249,8 +258,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
                           block_table)
         params.append = params.early_reads = 0
-        routed = (self._route.prepare(q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
-                                      block_table) if self._route.active else None)
+        routed = ((self._route.prepare(q, k_cache, v_cache, k_scale, v_scale, seq_lens, out,
+                                       lse, block_table),) if self._route.active else ())
         return PreparedCall(self, params, False, routed)
 
     def prepare_append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any,
@@ -266,7 +275,10 @@ class DecodePlan(OnCache, CreatedFromOptions):
                                  seq_lens, out, lse, cos_sin, block_table)
         params.early_reads = int(early_reads)
         params.table_window = self._window_for(early_reads)
-        return PreparedCall(self, params, True)
+        routed = (self._route.prepare_append(q, k_new, v_new, k_cache, v_cache, k_scale,
+                                             v_scale, seq_lens, out, cos_sin, lse, early_reads,
+                                             block_table) if self._route.active else ())
+        return PreparedCall(self, params, True, routed)
 
     def _window_for(self, early_reads: bool) -> int:
         """The fused append's table window for this call (see plan)."""
@@ -330,28 +342,3 @@ class DecodePlan(OnCache, CreatedFromOptions):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class PreparedCall:
-    """A validated call of a DecodePlan: ``launch(stream)`` issues it, valid until the plan is
-    planned again or closed."""
-
-    __slots__ = ("_plan", "_params", "_append", "_generation", "_routed")
-
-    def __init__(self, plan: DecodePlan, params: DecodeParams, append: bool,
-                 routed: PreparedRun | None = None) -> None:
-        self._plan, self._params, self._append = plan, params, append
-        self._generation, self._routed = plan._generation, routed
-
-    def launch(self, stream: StreamLike) -> None:
-        plan = self._plan
-        plan._require_open()
-        if self._generation != plan._generation:
-            raise RuntimeError("PreparedCall: the plan was planned again; prepare the call anew")
-        if self._routed is not None:
-            self._routed.launch(stream)
-            return
-        ctypes.memmove(ctypes.addressof(plan._params), ctypes.addressof(self._params),
-                       ctypes.sizeof(DecodeParams))
-        plan._launch(self._append, stream)
-

@@ -1,14 +1,18 @@
 """DecodePlan's route to the multi-token kernels (planner rule 8): a group of 16 query heads or
 more over a large KV runs as MultiPlan's decode rows (one query row per sequence, empty
 sequences written as decode writes them), whose kernels share each KV tile among all the
-group's heads. Only ``run`` (and ``prepare_run``) take the route; ``append_and_run`` stays on
-the fused decode kernel. The multi family is used through its public plan only."""
+group's heads. ``run`` is one multi-token launch; ``append_and_run`` two: AppendPlan writes
+the new token (q untouched), then the multi-token kernel rotates q itself and attends the
+``seq_lens[b] + 1`` tokens (``appended``). The other families are used through their public
+plans only."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from ..append import AppendPlan
+from ..append.runner import PreparedAppend
 from ..core import validate as check
 from ..core.spec import KVCacheSpec
 from ..driver import Device
@@ -49,19 +53,26 @@ class MultiRoute:
                  dtype: str, sm_scale: float, device: Device) -> None:
         self._args = (cache, num_q_heads, max_batch, max_seq_len, dtype, sm_scale, device)
         self.plan: MultiPlan | None = None
+        self.append: AppendPlan | None = None
         self.active = False
 
-    def planned(self, lengths: np.ndarray | None) -> None:
-        """Plan the route for these host lengths, or (None) leave it."""
+    def planned(self, lengths: np.ndarray | None, append: bool) -> None:
+        """Plan the route for these host lengths (``append``: the tokens ``append_and_run``
+        attends, and load the append kernel), or (None) leave it."""
         self.active = lengths is not None
         if lengths is None:
             return
+        cache, heads, max_batch, max_seq_len, dtype, sm_scale, device = self._args
         if self.plan is None:
-            cache, heads, max_batch, max_seq_len, dtype, sm_scale, device = self._args
             self.plan = MultiPlan(cache, heads, max_batch=min(max_batch, MAX_MULTI_BATCH),
                                   max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale,
                                   device=device)
         self.plan.plan(None, lengths, causal=False)
+        if append and self.append is None:
+            self.append = AppendPlan(cache, heads, max_batch=max_batch, dtype=dtype,
+                                     device=device)
+        if append:
+            self.append.load()  # type: ignore[union-attr]
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             seq_lens: Any, out: Any, lse: Any, block_table: Any, stream: StreamLike) -> None:
@@ -77,13 +88,48 @@ class MultiRoute:
         return plan.prepare_run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out,
                                 lse=lse, block_table=block_table)
 
+    def append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
+                       k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, cos_sin: Any,
+                       lse: Any, early_reads: bool, block_table: Any,
+                       stream: StreamLike) -> None:
+        plan, append = self.plan, self.append
+        assert plan is not None and append is not None and self.active
+        rotate = self._args[0].rope is not None
+        append.run(k_new, v_new, k_cache, v_cache, k_scale, v_scale, seq_lens, cos_sin=cos_sin,
+                   block_table=block_table, stream=stream)
+        plan.run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out, lse=lse,
+                 block_table=block_table, rotate_q=rotate, cos_sin=cos_sin if rotate else None,
+                 early_reads=early_reads, appended=True, stream=stream)
+
+    def prepare_append(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
+                       k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, cos_sin: Any,
+                       lse: Any, early_reads: bool,
+                       block_table: Any) -> tuple[PreparedAppend, PreparedRun]:
+        """The two launches of ``append_and_run``: the append (which reads nothing the kernel
+        before it may write, except the new rows: it waits for it) and the attention, whose
+        early reads then overlap the append's tail (it writes only the new token's row)."""
+        plan, append = self.plan, self.append
+        assert plan is not None and append is not None and self.active
+        write = append.prepare_run(k_new, v_new, k_cache, v_cache, k_scale, v_scale, seq_lens,
+                                   cos_sin=cos_sin, block_table=block_table)
+        rotate = self._args[0].rope is not None
+        attend = plan.prepare_run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out,
+                                  lse=lse, block_table=block_table, rotate_q=rotate,
+                                  cos_sin=cos_sin if rotate else None,
+                                  early_reads=early_reads, appended=True)
+        return write, attend
+
     def error_flags(self, stream: StreamLike, clear: bool) -> int:
-        return 0 if self.plan is None else self.plan.error_flags(stream=stream, clear=clear)
+        flags = 0 if self.plan is None else self.plan.error_flags(stream=stream, clear=clear)
+        if self.append is not None:
+            flags |= self.append.error_flags(stream=stream, clear=clear)
+        return flags
 
     def describe(self) -> dict[str, Any]:
         return self.plan.describe() if self.active and self.plan is not None else {}
 
     def close(self) -> None:
-        if self.plan is not None:
-            self.plan.close()
+        for plan in (self.plan, self.append):
+            if plan is not None:
+                plan.close()
         self.active = False

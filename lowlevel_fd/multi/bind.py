@@ -77,8 +77,13 @@ class MultiBinder:
 
     def bind(self, p: MultiParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, qo_indptr: Any, out: Any, lse: Any,
-             block_table: Any, cos_sin: Any, rotate_q: bool, tree_mask: Any = None) -> None:
+             block_table: Any, cos_sin: Any, rotate_q: bool, tree_mask: Any = None,
+             appended: bool = False) -> None:
         wrap, device = check.device_array, self.device
+        check.flag("appended", appended)
+        if appended and not self.decode_rows:
+            raise ValueError("appended: only for decode rows (a plan made with "
+                             "qo_indptr=None), got a plan of packed query chunks")
         if (qo_indptr is None) != self.decode_rows:
             raise ValueError("qo_indptr: the plan was made with qo_indptr=None (one query row "
                              "per sequence); pass None" if self.decode_rows else
@@ -115,6 +120,7 @@ class MultiBinder:
         p.cos_sin = 0 if table is None else table.ptr
         p.tree_mask = 0 if tree is None else tree.ptr
         p.tree_words = 0 if tree is None else tree.shape[1]
+        p.decode_rows = (2 if appended else 1) if self.decode_rows else 0
 
     def _rows(self, name: str, array: DeviceArray) -> None:
         """fp16/bf16 ``[total_q, Hq, D]`` in the plan's dtype, rows 16-byte aligned."""

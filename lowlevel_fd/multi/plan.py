@@ -69,8 +69,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
              tree: bool = False, wgmma: bool | None = None,
              wg_rows: int | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0, or None:
-        decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size the workspace.
-        ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
+        decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size
+        the workspace. ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
         its warps per 16 query rows (see ``ksplits``). ``tree``: run() will take tree masks
         (speculative trees); the plan then uses the split-warp kernel (ksplit > 1), which
         alone carries the mask. ``wgmma``: force (True) or forbid (False) the Hopper
@@ -195,13 +195,14 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
             block_table: Any = None, rotate_q: bool = False, cos_sin: Any = None,
-            tree_mask: Any = None, early_reads: bool = False, stream: StreamLike) -> None:
+            tree_mask: Any = None, early_reads: bool = False, appended: bool = False,
+            stream: StreamLike) -> None:
         """out[i, h] = softmax(sm_scale * q[i, h] K^T) V over the tokens query row i sees.
 
         q, out: ``[total_q, Hq, D]`` fp16/bf16 (out may be q itself); caches and scales as
         for DecodePlan.run (contiguous or paged with ``block_table``); seq_lens: int32 ``[B]``
-        and qo_indptr: int32 ``[B + 1]`` on the device (None for a plan of decode rows); lse: optional fp32 ``[total_q, Hq]``
-        (natural log). ``rotate_q``: apply the spec's RoPE to q at the rows' positions first
+        and qo_indptr: int32 ``[B + 1]`` on the device (None for a plan of decode rows); lse:
+        optional fp32 ``[total_q, Hq]`` (natural log). ``rotate_q``: apply the spec's RoPE to q at the rows' positions first
         (angles from ``cos_sin`` [max_pos, D/2, 2] or ``rope_theta``), as the writers rotate K.
         ``tree_mask`` (a plan made with ``tree=True``): speculative trees, uint32/int32
         ``[total_q, words]`` on the device (words >= ceil(longest planned chunk / 32)): bit j
@@ -221,11 +222,16 @@ class MultiPlan(OnCache, CreatedFromOptions):
         write wait for it. Pass True only when that kernel writes none of those buffers (it may
         write the chunk's rows: the layer's PromptQuantizer.run(starts=), without seq_lens_out
         into these seq_lens).
+
+        ``appended`` (decode rows only): ``seq_lens[b]`` counts the tokens before the one just
+        appended at position ``seq_lens[b]`` (DecodePlan.append_and_run's lengths); each row
+        attends ``seq_lens[b] + 1`` tokens (rotated, with ``rotate_q``, at ``seq_lens[b]``).
         """
         check.flag("early_reads", early_reads)
         self._require_planned()
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
-                          qo_indptr, out, lse, block_table, cos_sin, rotate_q, tree_mask)
+                          qo_indptr, out, lse, block_table, cos_sin, rotate_q, tree_mask,
+                          appended)
         self._params.early_reads = int(early_reads)
         if self._binder.total_q:
             self._launch.launch(stream)  # type: ignore[union-attr]
@@ -233,14 +239,15 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def prepare_run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                     seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
                     block_table: Any = None, rotate_q: bool = False, cos_sin: Any = None,
-                    tree_mask: Any = None, early_reads: bool = False) -> "PreparedRun":
+                    tree_mask: Any = None, early_reads: bool = False,
+                    appended: bool = False) -> "PreparedRun":
         """``run``'s arguments, validated once: ``launch(stream)`` on the result issues the
         same launch with no further checks, until the next ``plan``."""
         check.flag("early_reads", early_reads)
         self._require_planned()
         params = MultiParams.from_buffer_copy(self._params)
         self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, qo_indptr,
-                          out, lse, block_table, cos_sin, rotate_q, tree_mask)
+                          out, lse, block_table, cos_sin, rotate_q, tree_mask, appended)
         params.early_reads = int(early_reads)
         return PreparedRun(self, params, self._binder.total_q > 0)
 
