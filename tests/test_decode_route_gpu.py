@@ -290,3 +290,19 @@ def test_decode_step_on_a_routed_plan_replays_bitwise_what_it_issues_eagerly(rng
     assert results[0] == results[1]
     assert results[0][-1] == (lengths + 1).tolist()
     step.close()
+
+
+def test_routed_append_rotates_q_from_theta_where_its_table_misses_cache_positions(rng, stream):
+    """The route's own (cos, sin) table covers max_seq_len positions; a cache holding more
+    (capacity 4100 here, max_seq_len 200) rotates q from rope_theta instead: same oracle."""
+    fused = Fused(rng, [5, 100, 199], rope="neox", num_q_heads=64, num_kv_heads=1)
+    fused.plan.close()
+    c = fused.case
+    fused.plan = DecodePlan.create(c.num_q_heads, c.num_kv_heads, c.head_dim,
+                                   max_batch=c.batch, max_seq_len=200, rope="neox",
+                                   rope_theta=fused.plan.cache.rope_theta)
+    fused.round_query = False
+    fused.check(*fused.run(stream, multi=True))
+    assert fused.plan._route.table.shape[0] == 200
+    assert fused.plan.error_flags(stream=stream) == 0
+    fused.plan.close()

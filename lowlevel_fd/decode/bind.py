@@ -33,6 +33,7 @@ class RunBinder:
         self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
         self.max_seq_len = max_seq_len
         self.batch = self.longest = 0
+        self.capacity = 0  # the cache capacity of the last validated append_and_run call
         self._validated: tuple = ()
 
     def planned(self, batch: int, longest: int) -> None:
@@ -69,7 +70,7 @@ class RunBinder:
             for name, array in zip(_APPEND[:2], new[:2]):
                 self._rows(name, array, self.spec.num_kv_heads, "[B, Hkv, D]")
             rope_table(self.spec, device, cos_sin, capacity)
-            self._validated = key
+            self._validated, self.capacity = key, capacity
         self._write(p, own, cache)
         kn, vn, table = new
         spec = self.spec

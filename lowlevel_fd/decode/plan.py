@@ -244,7 +244,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         if self._route.active:
             self._route.append_and_run(q, k_new, v_new, k_cache, v_cache, k_scale, v_scale,
                                        seq_lens, out, cos_sin, lse, early_reads, block_table,
-                                       stream)
+                                       self._binder.capacity, stream)
         else:
             self._launch(True, stream)
 
@@ -277,7 +277,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
         params.table_window = self._window_for(early_reads)
         routed = (self._route.prepare_append(q, k_new, v_new, k_cache, v_cache, k_scale,
                                              v_scale, seq_lens, out, cos_sin, lse, early_reads,
-                                             block_table) if self._route.active else ())
+                                             block_table, self._binder.capacity)
+                  if self._route.active else ())
         return PreparedCall(self, params, True, routed)
 
     def _window_for(self, early_reads: bool) -> int:

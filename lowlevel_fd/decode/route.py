@@ -15,13 +15,25 @@ from ..append import AppendPlan
 from ..append.runner import PreparedAppend
 from ..core import validate as check
 from ..core.spec import KVCacheSpec
-from ..driver import Device
+from ..driver import Device, DeviceArray
 from ..driver.stream import StreamLike
 from ..multi import MultiPlan
 from ..multi.plan import PreparedRun
 from .planner import routes_to_multi
 
 MAX_MULTI_BATCH = 65535  # MultiPlan's batch is its grid.z
+
+
+def theta_table(spec: KVCacheSpec, positions: int) -> np.ndarray:
+    """fp32 ``[positions, D/2, 2]`` (cos, sin) as the kernels' ``rope_theta`` path computes them
+    (rows.cuh rope_coefficients: inv_freq rounded to fp32, the angle pos * inv_freq rounded to
+    fp32, its cos and sin evaluated in double): within one fp32 ulp of that path."""
+    half = spec.head_dim // 2
+    inv_freq = np.exp2(-2.0 * np.arange(half) / spec.head_dim
+                       * np.log2(float(spec.rope_theta))).astype(np.float32)
+    angles = (np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :])
+    angles = angles.astype(np.float64)
+    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
 
 
 def wants_multi(multi: bool | None, cache: KVCacheSpec, group_size: int, chunks: int,
@@ -54,6 +66,11 @@ class MultiRoute:
         self._args = (cache, num_q_heads, max_batch, max_seq_len, dtype, sm_scale, device)
         self.plan: MultiPlan | None = None
         self.append: AppendPlan | None = None
+        # The rotation of q inside the multi-token kernel from rope_theta costs every CTA a
+        # double-precision exp2/log2/sincos per element (B=32, group 64, S=4096: 51.4 us per
+        # layer, 36.4 without RoPE); from a table it is a load (PERF_NOTES v23). Planned
+        # appends without a caller's table use this one, built once for max_seq_len positions.
+        self.table: DeviceArray | None = None
         self.active = False
 
     def planned(self, lengths: np.ndarray | None, append: bool) -> None:
@@ -73,6 +90,15 @@ class MultiRoute:
                                      device=device)
         if append:
             self.append.load()  # type: ignore[union-attr]
+        if append and cache.rope is not None and self.table is None:
+            self.table = DeviceArray.from_numpy(theta_table(cache, max_seq_len), device)
+
+    def _q_table(self, cos_sin: Any, capacity: int) -> Any:
+        """The table the multi-token kernel rotates q with: the caller's, else the route's
+        where it covers the cache (else None: the rope_theta path)."""
+        if cos_sin is not None or self.table is None:
+            return cos_sin
+        return self.table if self.table.shape[0] >= capacity else None
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             seq_lens: Any, out: Any, lse: Any, block_table: Any, stream: StreamLike) -> None:
@@ -90,7 +116,7 @@ class MultiRoute:
 
     def append_and_run(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
                        k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, cos_sin: Any,
-                       lse: Any, early_reads: bool, block_table: Any,
+                       lse: Any, early_reads: bool, block_table: Any, capacity: int,
                        stream: StreamLike) -> None:
         plan, append = self.plan, self.append
         assert plan is not None and append is not None and self.active
@@ -98,13 +124,14 @@ class MultiRoute:
         append.run(k_new, v_new, k_cache, v_cache, k_scale, v_scale, seq_lens, cos_sin=cos_sin,
                    block_table=block_table, stream=stream)
         plan.run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out, lse=lse,
-                 block_table=block_table, rotate_q=rotate, cos_sin=cos_sin if rotate else None,
+                 block_table=block_table, rotate_q=rotate,
+                 cos_sin=self._q_table(cos_sin, capacity) if rotate else None,
                  early_reads=early_reads, appended=True, stream=stream)
 
     def prepare_append(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
                        k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, cos_sin: Any,
-                       lse: Any, early_reads: bool,
-                       block_table: Any) -> tuple[PreparedAppend, PreparedRun]:
+                       lse: Any, early_reads: bool, block_table: Any,
+                       capacity: int) -> tuple[PreparedAppend, PreparedRun]:
         """The two launches of ``append_and_run``: the append (which reads nothing the kernel
         before it may write, except the new rows: it waits for it) and the attention, whose
         early reads then overlap the append's tail (it writes only the new token's row)."""
@@ -115,7 +142,7 @@ class MultiRoute:
         rotate = self._args[0].rope is not None
         attend = plan.prepare_run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out,
                                   lse=lse, block_table=block_table, rotate_q=rotate,
-                                  cos_sin=cos_sin if rotate else None,
+                                  cos_sin=self._q_table(cos_sin, capacity) if rotate else None,
                                   early_reads=early_reads, appended=True)
         return write, attend
 
@@ -129,7 +156,8 @@ class MultiRoute:
         return self.plan.describe() if self.active and self.plan is not None else {}
 
     def close(self) -> None:
-        for plan in (self.plan, self.append):
+        for plan in (self.plan, self.append, self.table):
             if plan is not None:
                 plan.close()
+        self.table = None
         self.active = False
