@@ -56,6 +56,40 @@ __device__ __forceinline__ void hadamard_quad(float (&x)[HEAD_DIM / 16][4], int 
     for (int e = 0; e < 4; ++e) x[s][e] = __fmul_rn(x[s][e], kHadamardNorm<HEAD_DIM>);
 }
 
+// RoPE of one query row held by a quad (this lane: elements 16 s + 4 c .. + 3 of every chunk s)
+// at position `pos`; TABLE: the coefficients from p.cos_sin, else from p.rope_theta.
+template <int HEAD_DIM, int ROPE, bool TABLE>
+__device__ __forceinline__ void rotate_quad(float (&x)[HEAD_DIM / 16][4], const MultiParams& p,
+                                            int pos, int c) {
+  constexpr int kChunks = HEAD_DIM / 16;
+  auto coefficients = [&](int i) __attribute__((always_inline)) {
+    if constexpr (TABLE) return rope_table_entry<HEAD_DIM>(p.cos_sin, pos, i);
+    else return cos_sin_of(__fmul_rn(static_cast<float>(pos),
+                                     rope_inv_freq<HEAD_DIM>(p.rope_theta, i)));
+  };
+  if constexpr (ROPE == kRopeNeox) {  // pairs (d, d + D/2): chunks s and s + kChunks/2
+#pragma unroll
+    for (int s = 0; s < kChunks / 2; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 cs = coefficients(16 * s + 4 * c + e);
+        const float a = x[s][e], b = x[s + kChunks / 2][e];
+        x[s][e] = a * cs.x - b * cs.y;
+        x[s + kChunks / 2][e] = b * cs.x + a * cs.y;
+      }
+  } else {  // gptj, pairs (2i, 2i + 1): elements e, e + 1
+#pragma unroll
+    for (int s = 0; s < kChunks; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const float2 cs = coefficients(8 * s + 2 * c + e / 2);
+        const float a = x[s][e], b = x[s][e + 1];
+        x[s][e] = a * cs.x - b * cs.y;
+        x[s][e + 1] = a * cs.y + b * cs.x;
+      }
+  }
+}
+
 // This lane's Q fragments for its rows r_lo and r_lo + 8 (dims permuted as the K fragments:
 // multi_tiles.cuh), and each row's scale into fp16 range. Rows past the sequence's are zero.
 template <int HEAD_DIM, typename QT>
@@ -88,28 +122,17 @@ __device__ __forceinline__ void load_rows(uint32_t (&qf)[HEAD_DIM / 16][4], floa
       // A decode row whose token was not appended has prefix -1 (SequenceRows): position 0,
       // the identity rotation, so q is used as given.
       const int pos = max(sr.prefix + token, 0);
-      if (p.rope == kRopeNeox && valid) {  // pairs (d, d + D/2): chunks s and s + kChunks/2
-#pragma unroll
-        for (int s = 0; s < kChunks / 2; ++s)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 cs = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos,
-                                                          16 * s + 4 * c + e);
-            const float a = x[s][e], b = x[s + kChunks / 2][e];
-            x[s][e] = a * cs.x - b * cs.y;
-            x[s + kChunks / 2][e] = b * cs.x + a * cs.y;
-          }
-      } else if (p.rope == kRopeGptj && valid) {  // pairs (2i, 2i + 1): elements e, e + 1
-#pragma unroll
-        for (int s = 0; s < kChunks; ++s)
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            const float2 cs = rope_coefficients<HEAD_DIM>(p.cos_sin, p.rope_theta, pos,
-                                                          8 * s + 2 * c + e / 2);
-            const float a = x[s][e], b = x[s][e + 1];
-            x[s][e] = a * cs.x - b * cs.y;
-            x[s][e + 1] = a * cs.y + b * cs.x;
-          }
+      // One uniform branch per row on where the coefficients come from: a table read per
+      // element must not sit beside the rope_theta path's double-precision evaluation
+      // (inlined per element, it cost the table path ~16 us per launch at B=32, group 64).
+      if (valid && p.rope != kRopeNone) {
+        if (p.cos_sin != nullptr) {
+          if (p.rope == kRopeNeox) rotate_quad<HEAD_DIM, kRopeNeox, true>(x, p, pos, c);
+          else rotate_quad<HEAD_DIM, kRopeGptj, true>(x, p, pos, c);
+        } else {
+          if (p.rope == kRopeNeox) rotate_quad<HEAD_DIM, kRopeNeox, false>(x, p, pos, c);
+          else rotate_quad<HEAD_DIM, kRopeGptj, false>(x, p, pos, c);
+        }
       }
       if (p.key_transform && sr.prefix >= 0) hadamard_quad<HEAD_DIM>(x, c);
       float absmax = 0.f;
