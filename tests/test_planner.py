@@ -324,3 +324,22 @@ def test_wants_multi_follows_the_rule_unless_forced_or_configured():
         wants_multi(1, spec, 64, 4, lengths, hopper, False)
     with pytest.raises(ValueError, match="at most 65535 sequences"):
         wants_multi(True, spec, 64, 4, np.ones(65536, np.int64), hopper, False)
+
+
+def test_the_route_table_is_the_theta_path_of_the_kernels():
+    """decode/route.py theta_table: fp32 inv_freq, fp32 angle pos * inv_freq, cos and sin of
+    that angle (rows.cuh rope_coefficients' theta path): position 0 is the identity, and every
+    entry is within 1e-6 of cos/sin of the fp32 angle and within the fp32 angle's rounding
+    (<= 2 pos 2^-24 rad: inv_freq and the angle) of the float64 table."""
+    from lowlevel_fd.decode.route import theta_table
+    from lowlevel_fd.reference import rope_table
+    spec = KVCacheSpec(2, 64, rope="neox", rope_theta=500000.0)
+    table = theta_table(spec, 4096)
+    assert table.shape == (4096, 32, 2) and table.dtype == np.float32
+    assert (table[0, :, 0] == 1).all() and (table[0, :, 1] == 0).all()
+    inv = np.exp2(-2.0 * np.arange(32) / 64 * np.log2(500000.0)).astype(np.float32)
+    angle = (np.float32(4095) * inv).astype(np.float64)
+    np.testing.assert_allclose(table[4095, :, 0], np.cos(angle), atol=1e-6)
+    np.testing.assert_allclose(table[4095, :, 1], np.sin(angle), atol=1e-6)
+    exact = rope_table(4096, 64, 500000.0)
+    assert np.abs(table - exact).max() <= 2 * 4096 * 2.0**-24 + 1e-6  # inv_freq and angle
