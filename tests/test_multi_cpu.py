@@ -297,6 +297,32 @@ def test_bind_rejects_bad_arguments_naming_them(overrides, message):
         bind(**overrides)
 
 
+def test_decode_rows_bind_without_qo_indptr_and_appended_only_there():
+    binder = MultiBinder(SPEC, HQ, "float16", DEVICE)
+    binder.planned(B, B, 50, 1, decode_rows=True)
+    a = arrays(q=fake((B, HQ, 64), "float16"), out=fake((B, HQ, 64), "float16"))
+    args = [a[name] for name in ("q", "k_cache", "v_cache", "k_scale", "v_scale", "seq_lens")]
+    tail = [a[name] for name in ("lse", "block_table", "cos_sin", "rotate_q", "tree_mask")]
+    p = MultiParams()
+    binder.bind(p, *args, None, a["out"], *tail)
+    assert p.decode_rows == 1 and p.qo_indptr == 0
+    binder.bind(p, *args, None, a["out"], *tail, appended=True)
+    assert p.decode_rows == 2
+    with pytest.raises(ValueError, match=r"^qo_indptr: the plan was made with qo_indptr=None"):
+        binder.bind(p, *args, a["qo_indptr"], a["out"], *tail)
+    with pytest.raises(ValueError, match=r"^qo_indptr: expected an int32 \[B \+ 1\] device"):
+        bind(qo_indptr=None)
+    with pytest.raises(ValueError, match=r"^appended: only for decode rows"):
+        packed = MultiBinder(SPEC, HQ, "float16", DEVICE)
+        packed.planned(B, TOTAL, 50, 40)
+        b = arrays()
+        packed.bind(MultiParams(), *[b[name] for name in ("q", "k_cache", "v_cache", "k_scale",
+                                                          "v_scale", "seq_lens", "qo_indptr",
+                                                          "out", "lse", "block_table",
+                                                          "cos_sin", "rotate_q", "tree_mask")],
+                    appended=True)
+
+
 def test_tree_masks_need_a_tree_plan():
     with pytest.raises(ValueError, match=r"^tree_mask: the plan takes no tree masks; plan with "
                                          r"plan\(\.\.\., tree=True\)$"):
