@@ -201,7 +201,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, out,
                           lse, block_table)
         self._params.append = self._params.early_reads = 0
-        if self._route.active:
+        if self._route.active:  # decode's checks above (its messages); the route binds its own
             self._route.run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, out, lse,
                             block_table, stream)
         else:

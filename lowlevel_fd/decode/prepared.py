@@ -5,9 +5,9 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
-from ..append.runner import PreparedAppend
+from ..append import PreparedAppend
 from ..driver.stream import StreamLike
-from ..multi.plan import PreparedRun
+from ..multi import PreparedRun
 from .params import DecodeParams
 
 if TYPE_CHECKING:

@@ -11,23 +11,21 @@ from typing import Any
 
 import numpy as np
 
-from ..append import AppendPlan
-from ..append.runner import PreparedAppend
+from ..append import AppendPlan, PreparedAppend
 from ..core import validate as check
 from ..core.spec import KVCacheSpec
 from ..driver import Device, DeviceArray
 from ..driver.stream import StreamLike
-from ..multi import MultiPlan
-from ..multi.plan import PreparedRun
+from ..multi import MultiPlan, PreparedRun
 from .planner import routes_to_multi
 
 MAX_MULTI_BATCH = 65535  # MultiPlan's batch is its grid.z
 
 
 def theta_table(spec: KVCacheSpec, positions: int) -> np.ndarray:
-    """fp32 ``[positions, D/2, 2]`` (cos, sin) as the kernels' ``rope_theta`` path computes them
-    (rows.cuh rope_coefficients: inv_freq rounded to fp32, the angle pos * inv_freq rounded to
-    fp32, its cos and sin evaluated in double): within one fp32 ulp of that path."""
+    """fp32 ``[positions, D/2, 2]`` (cos, sin), computed the way the kernels' ``rope_theta``
+    path does (rows.cuh rope_coefficients: inv_freq rounded to fp32, the angle pos * inv_freq
+    rounded to fp32, its cos and sin evaluated in double and rounded once to fp32)."""
     half = spec.head_dim // 2
     inv_freq = np.exp2(-2.0 * np.arange(half) / spec.head_dim
                        * np.log2(float(spec.rope_theta))).astype(np.float32)
@@ -63,13 +61,15 @@ class MultiRoute:
 
     def __init__(self, cache: KVCacheSpec, num_q_heads: int, max_batch: int, max_seq_len: int,
                  dtype: str, sm_scale: float, device: Device) -> None:
-        self._args = (cache, num_q_heads, max_batch, max_seq_len, dtype, sm_scale, device)
+        self.cache, self.max_batch, self.max_seq_len = cache, max_batch, max_seq_len
+        self._options = dict(dtype=dtype, device=device)
+        self._heads, self._sm_scale = num_q_heads, sm_scale
         self.plan: MultiPlan | None = None
         self.append: AppendPlan | None = None
-        # The rotation of q inside the multi-token kernel from rope_theta costs every CTA a
-        # double-precision exp2/log2/sincos per element (B=32, group 64, S=4096: 51.4 us per
-        # layer, 36.4 without RoPE); from a table it is a load (PERF_NOTES v23). Planned
-        # appends without a caller's table use this one, built once for max_seq_len positions.
+        # q rotated in the multi-token kernel from rope_theta costs every row a double-precision
+        # evaluation per element; from a table, a load (B=32, group 64, S=4096: 74.2 us vs 33.0,
+        # 27.9 unrotated; PERF_NOTES v23). Planned appends without a caller's table use this
+        # one, built once for max_seq_len positions.
         self.table: DeviceArray | None = None
         self.active = False
 
@@ -79,26 +79,30 @@ class MultiRoute:
         self.active = lengths is not None
         if lengths is None:
             return
-        cache, heads, max_batch, max_seq_len, dtype, sm_scale, device = self._args
         if self.plan is None:
-            self.plan = MultiPlan(cache, heads, max_batch=min(max_batch, MAX_MULTI_BATCH),
-                                  max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale,
-                                  device=device)
+            self.plan = MultiPlan(self.cache, self._heads,
+                                  max_batch=min(self.max_batch, MAX_MULTI_BATCH),
+                                  max_seq_len=self.max_seq_len, sm_scale=self._sm_scale,
+                                  **self._options)
         self.plan.plan(None, lengths, causal=False)
-        if append and self.append is None:
-            self.append = AppendPlan(cache, heads, max_batch=max_batch, dtype=dtype,
-                                     device=device)
-        if append:
-            self.append.load()  # type: ignore[union-attr]
-        if append and cache.rope is not None and self.table is None:
-            self.table = DeviceArray.from_numpy(theta_table(cache, max_seq_len), device)
+        if not append:
+            return
+        if self.append is None:
+            self.append = AppendPlan(self.cache, self._heads, max_batch=self.max_batch,
+                                     **self._options)
+        self.append.load()
+        if self.cache.rope is not None and self.table is None:
+            self.table = DeviceArray.from_numpy(theta_table(self.cache, self.max_seq_len),
+                                                self._options["device"])
 
-    def _q_table(self, cos_sin: Any, capacity: int) -> Any:
-        """The table the multi-token kernel rotates q with: the caller's, else the route's
-        where it covers the cache (else None: the rope_theta path)."""
-        if cos_sin is not None or self.table is None:
-            return cos_sin
-        return self.table if self.table.shape[0] >= capacity else None
+    def _attention(self, cos_sin: Any, capacity: int, early_reads: bool) -> dict[str, Any]:
+        """The multi-token launch's options after the append: q rotated (RoPE specs) with the
+        caller's table, else the route's where it covers the cache, else from rope_theta."""
+        rotate = self.cache.rope is not None
+        if rotate and cos_sin is None and self.table is not None:
+            cos_sin = self.table if self.table.shape[0] >= capacity else None
+        return dict(rotate_q=rotate, cos_sin=cos_sin if rotate else None,
+                    early_reads=early_reads, appended=True)
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             seq_lens: Any, out: Any, lse: Any, block_table: Any, stream: StreamLike) -> None:
@@ -120,13 +124,11 @@ class MultiRoute:
                        stream: StreamLike) -> None:
         plan, append = self.plan, self.append
         assert plan is not None and append is not None and self.active
-        rotate = self._args[0].rope is not None
         append.run(k_new, v_new, k_cache, v_cache, k_scale, v_scale, seq_lens, cos_sin=cos_sin,
                    block_table=block_table, stream=stream)
         plan.run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out, lse=lse,
-                 block_table=block_table, rotate_q=rotate,
-                 cos_sin=self._q_table(cos_sin, capacity) if rotate else None,
-                 early_reads=early_reads, appended=True, stream=stream)
+                 block_table=block_table, stream=stream,
+                 **self._attention(cos_sin, capacity, early_reads))
 
     def prepare_append(self, q: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any,
                        k_scale: Any, v_scale: Any, seq_lens: Any, out: Any, cos_sin: Any,
@@ -139,11 +141,9 @@ class MultiRoute:
         assert plan is not None and append is not None and self.active
         write = append.prepare_run(k_new, v_new, k_cache, v_cache, k_scale, v_scale, seq_lens,
                                    cos_sin=cos_sin, block_table=block_table)
-        rotate = self._args[0].rope is not None
         attend = plan.prepare_run(q, k_cache, v_cache, k_scale, v_scale, seq_lens, None, out,
-                                  lse=lse, block_table=block_table, rotate_q=rotate,
-                                  cos_sin=self._q_table(cos_sin, capacity) if rotate else None,
-                                  early_reads=early_reads, appended=True)
+                                  lse=lse, block_table=block_table,
+                                  **self._attention(cos_sin, capacity, early_reads))
         return write, attend
 
     def error_flags(self, stream: StreamLike, clear: bool) -> int:

@@ -120,7 +120,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
         p.num_splits, p.min_split_tokens = splits, min_tokens
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
-        p.decode_rows = int(decode_rows)
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
@@ -276,7 +275,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
         """Free the workspace; the plan cannot run afterwards."""
         self._finalizer()
         self._launch = None
-        self._generation += 1
 
     def __enter__(self) -> "MultiPlan":
         return self
