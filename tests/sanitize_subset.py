@@ -394,6 +394,16 @@ for rows, kernel in zip(multi.WG_ROWS, multi.WG):
              multi.test_device_guards_flag_and_write_nothing(rng, stream, kernel),
              multi.test_bad_page_ids_are_never_read(rng, stream, kernel),
              multi.test_wgmma_splits_merge(rng, stream, True, rows)))
+import test_multi_cluster_gpu as cluster  # noqa: E402
+
+for rows in multi.WG_ROWS:
+    case(f"extend wgmma {rows} rows: KV splits merged in a cluster, ragged (sm_90)",
+         lambda rng, stream, rows=rows: len(multi.wgmma_choices()) > 1 and
+         cluster.test_cluster_merge_is_the_global_merge(rng, stream, rows, 128, 5))
+case("extend cluster merge: graph replay over the active splits, pages with bad ids (sm_90)",
+     lambda rng, stream: len(multi.wgmma_choices()) > 1 and (
+         cluster.test_graph_replay_follows_the_active_splits(rng, stream),
+         cluster.test_cluster_merge_over_pages_and_bad_page_ids(rng, stream, "nhd", 1)))
 import test_decode_route_gpu as route  # noqa: E402
 
 case("decode rows: empty sequences, every multi kernel, KV splits, early reads",

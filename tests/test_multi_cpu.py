@@ -17,7 +17,8 @@ from lowlevel_fd.multi import MultiVariant, MultiWorkload, choose_splits, shippe
 from lowlevel_fd.multi.bind import MultiBinder
 from lowlevel_fd.multi.params import MultiParams
 from lowlevel_fd.multi.bind import host_queries
-from lowlevel_fd.multi.planner import MAX_SPLITS, choose_ksplit
+from lowlevel_fd.multi.planner import (MAX_CLUSTER_SPLITS, MAX_SPLITS, choose_cluster,
+                                       choose_ksplit, cluster_merge_fits)
 from lowlevel_fd.multi.variants import ksplits, tile_tokens
 
 CU = Path(__file__).resolve().parents[1] / "lowlevel_fd" / "cu"
@@ -86,6 +87,7 @@ def test_constructor_takes_a_spec():
     ({"tree": True, "ksplit": 1}, ValueError,
      r"^ksplit: expected one of \(2,\) at head_dim 128 with tree=True, got 1$"),
     ({"wgmma": 1}, TypeError, r"^wgmma: expected a bool, got int 1$"),
+    ({"cluster": 1}, TypeError, r"^cluster: expected a bool, got int 1$"),
     ({"wgmma": True, "ksplit": 2}, ValueError,
      r"^wgmma: the warpgroup-MMA kernel takes whole tiles \(ksplit 1, no tree masks\), got "
      r"ksplit 2, tree=False$"),
@@ -220,6 +222,43 @@ def test_drafts_over_a_long_kv_are_split_into_runs_of_at_least_16_tiles():
     # CTAs in 264 slots, 1.94 waves: unsplit (measured 193.8 us against 216.4 with 2 splits)
     assert choose_splits(work([4] * 64, [4096] * 64, ksplit=2), 132, 2)[0] == 1
     assert choose_splits(work([8] * 8, [4096] * 8, ksplit=2), 132, 2) == (4, 1024)
+
+
+def test_splits_merge_in_clusters_only_where_residency_is_kept():
+    # B=32 multi-query: 128 CTAs of one per SM in clusters of 4; the device holds 32 clusters
+    assert cluster_merge_fits(4, 128, 132, 32)
+    assert not cluster_merge_fits(4, 128, 132, 31)  # 124 resident of 128: a second wave
+    assert cluster_merge_fits(4, 128, 132, 33)
+    # a grid over one wave needs as many resident CTAs as the plain launch holds
+    assert cluster_merge_fits(2, 512, 264, 132)
+    assert not cluster_merge_fits(2, 512, 264, 120)
+    # one split has nothing to merge; past the portable cluster size: the global merge
+    assert not cluster_merge_fits(1, 128, 132, 132)
+    assert not cluster_merge_fits(MAX_CLUSTER_SPLITS + 1, 9, 132, 14)
+    assert cluster_merge_fits(MAX_CLUSTER_SPLITS, 8, 132, 1)
+
+
+def test_the_cluster_choice_and_its_errors():
+    def never() -> int:
+        raise AssertionError("the device was asked")
+    assert not choose_cluster(False, "warpgroup", "sm_90", True, 4, 32, 132, never)
+    assert not choose_cluster(None, "mma.sync", "sm_90", True, 4, 32, 132, never)
+    assert not choose_cluster(None, "warpgroup", "sm_80", False, 4, 32, 132, never)
+    assert not choose_cluster(None, "warpgroup", "sm_90", True, 1, 32, 132, never)
+    assert choose_cluster(None, "warpgroup", "sm_90", True, 4, 32, 132, lambda: 30)
+    assert not choose_cluster(None, "warpgroup", "sm_90", True, 4, 128, 132, lambda: 30)
+    assert choose_cluster(True, "warpgroup", "sm_90", True, 4, 128, 132, lambda: 30)
+    needs = (r"^cluster: the cluster merge needs the warpgroup kernels \(sm_90\) and 2 to 8 "
+             r"splits, got the ")
+    with pytest.raises(ValueError, match=needs + r"mma.sync kernel on sm_90 with 4 split\(s\)$"):
+        choose_cluster(True, "mma.sync", "sm_90", True, 4, 32, 132, never)
+    with pytest.raises(ValueError, match=needs + r"warpgroup kernel on sm_80 with 4 split\(s\)$"):
+        choose_cluster(True, "warpgroup", "sm_80", False, 4, 32, 132, never)
+    with pytest.raises(ValueError, match=needs + r"warpgroup kernel on sm_90 with 9 split\(s\)$"):
+        choose_cluster(True, "warpgroup", "sm_90", True, MAX_CLUSTER_SPLITS + 1, 32, 132, never)
+    with pytest.raises(ValueError,
+                       match=r"^cluster: the device holds no cluster of 8 CTAs of this kernel$"):
+        choose_cluster(True, "warpgroup", "sm_90", True, 8, 32, 132, lambda: 0)
 
 
 @pytest.mark.parametrize("qo, group, head_dim, ksplit", [

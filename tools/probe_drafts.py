@@ -8,8 +8,9 @@ Needs torch and a GPU. Hq=32, Hkv=8 (group 4: q_len x 4 rows per KV head), D=128
 causal, INT8 bnsh cache with per-token fp32 scales. L2-honest: L >= 2 layers with distinct
 caches per graph replay, L x KV bytes >= 200 MiB; us per layer, median of 30 replays [p20,
 p80]; decode (one token per sequence) over the same caches in the same run. Each kernel (the
-split-warp mma.sync kernel, the warpgroup kernels with CTAs of 64 and of 128 rows) runs at the
-planner's splits and at 2, 4 and 8; every output is compared with the first one's.
+split-warp mma.sync kernel, the warpgroup kernels with CTAs of 64 and of 128 rows, their splits
+merged as planned or always through global memory) runs at the planner's splits and at 2, 4 and
+8; every output is compared with the first one's.
 """
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ import json
 import sys
 
 S = 4096
-KERNELS = {"mma": {"wgmma": False}, "wg64": {"wg_rows": 64}, "wg128": {"wg_rows": 128}}
+# The warpgroup kernels' splits merge as planned (in a cluster where it fits) and, "global",
+# always through global memory.
+KERNELS = {"mma": {"wgmma": False}, "wg64": {"wg_rows": 64}, "wg128": {"wg_rows": 128},
+           "wg64 global": {"wg_rows": 64, "cluster": False},
+           "wg128 global": {"wg_rows": 128, "cluster": False}}
 
 
 def ints(text: str) -> list[int]:
@@ -64,7 +69,9 @@ def main(argv=None) -> int:
                         t = time_graph(lambda: [plan.run(q, c.k, c.v, c.ks, c.vs, lens, indptr,
                                                          out, stream=current())
                                                 for c in caches], iters=30, warmup=5, per=layers)
-                        key = f"{name}, splits {plan.describe()['num_splits']}"
+                        described = plan.describe()
+                        key = (f"{name}, splits {described['num_splits']}"
+                               f"{', cluster' if described.get('cluster') else ''}")
                         times[key + (" (planned)" if splits is None else "")] = t
                     torch.cuda.synchronize()
                     if first is None:

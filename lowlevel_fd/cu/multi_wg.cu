@@ -17,7 +17,8 @@
 // with copy c). Each computing warpgroup issues S(j + 1) and P(j) V(j) together and runs the
 // softmax of S(j + 1) while P(j) V(j) is on the tensor cores; the two take turns to issue
 // (two more named barriers: FA3's ping-pong), so one's softmax overlaps the other's products.
-// Splits, their partials and the merge are multi.cu's (the same workspace and counters).
+// Splits, their partials and the merge are multi.cu's (the same workspace and counters), or,
+// launched in clusters of the splits, multi_cluster.cuh's.
 #include "multi_wg_rows.cuh"
 
 namespace llfd {
@@ -241,11 +242,23 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)
   // ---- this split's rows: normalised, with their base-2 LSE ----
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
+  // A cluster's splits merge in shared memory (multi_cluster.cuh): both warpgroups' copies
+  // must be read out before the partial rows overwrite them.
+  const bool clustered = active > 1 && cluster_ctas() > 1;
+  if (clustered) MergeTeam<kCompute>::sync();
+  float* const shared = reinterpret_cast<float*>(smem);
+  if (clustered) {
+    if (wg_active)
+      wg_store_rows<HEAD_DIM, L::kCtaRows, QT, true>(p, sr, o, m, l, vr.shift, v_const, kvh,
+                                                     row0, r_lo, c, part, shared, active);
+    cluster_merge<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, split,
+                                                       active, shared);
+    return;
+  }
   if (wg_active)
     wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
-                                            r_lo, c, part, active);
+                                            r_lo, c, part, shared, active);
   if (active == 1) return;
-
   merge_if_last<HEAD_DIM, L::kCtaRows, QT, kCompute>(p, sr, kvh, row0, tile_rows, slot, active,
                                                     reinterpret_cast<float*>(smem), is_last);
 }

@@ -147,8 +147,18 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
 
   const int64_t slot = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile;
   const int64_t part = slot * p.num_splits + split;
+  const bool clustered = active > 1 && cluster_ctas() > 1;  // as multi_wg.cu
+  if (clustered) __syncthreads();
+  float* const shared = reinterpret_cast<float*>(smem);
+  if (clustered) {
+    wg_store_rows<HEAD_DIM, L::kCtaRows, QT, true>(p, sr, o, m, l, vr.shift, v_const, kvh,
+                                                   row0, r_lo, c, part, shared, active);
+    cluster_merge<HEAD_DIM, L::kCtaRows, QT, 0>(p, sr, kvh, row0, tile_rows, split, active,
+                                                shared);
+    return;
+  }
   wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
-                                          r_lo, c, part, active);
+                                          r_lo, c, part, shared, active);
   if (active == 1) return;
 
   merge_if_last<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,

@@ -2,6 +2,7 @@
 // score mma's A fragments, and a warpgroup's finished rows out (the output, or a split's
 // partial for multi.cu's merge).
 #pragma once
+#include "multi_cluster.cuh"
 #include "multi_wg_tiles.cuh"
 
 namespace llfd {
@@ -50,15 +51,18 @@ __device__ __forceinline__ void wg_load_query(uint32_t (&qa)[HEAD_DIM / 16][4],
 }
 
 // A warpgroup's rows after its last tile: normalised, with their base-2 LSE (m + shift +
-// log2 l, softmax_tile's state), into the output (one split) or the split's partial rows
-// (`part`: its index; CTA_ROWS rows per partial).
-template <int HEAD_DIM, int CTA_ROWS, typename QT>
+// log2 l, softmax_tile's state), into the output (one split) or the split's partial rows:
+// the global workspace's (`part`: its index; CTA_ROWS rows per partial) for merge_if_last, or
+// (SHARED) at `shared`, this CTA's ClusterPartials, for cluster_merge.
+template <int HEAD_DIM, int CTA_ROWS, typename QT, bool SHARED = false>
 __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const SequenceRows& sr,
                                               const float (&o)[HEAD_DIM / 2],
                                               const float (&m)[2], const float (&l)[2],
                                               float shift, float v_scale, int kvh, int row0,
-                                              int r_lo,
-                                              int c, int64_t part, int active) {
+                                              int r_lo, int c, int64_t part, float* shared,
+                                              int active) {
+  using C = ClusterPartials<HEAD_DIM, CTA_ROWS>;
+  static_assert(C::kBytes <= WgLayout<HEAD_DIM, CTA_ROWS>::kBytes, "over the pipeline's");
   constexpr int kOut = HEAD_DIM / 2;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -78,12 +82,13 @@ __device__ __forceinline__ void wg_store_rows(const MultiParams& p, const Sequen
       if (p.lse != nullptr && c == 0)
         p.lse[q_row * p.num_kv_heads * p.group_size + head] = lse2 * kMultiLn2;
     } else {
-      float* dst = p.partial_out + (part * CTA_ROWS + local) * HEAD_DIM;
+      float* dst = SHARED ? shared + local * C::kStride
+                          : p.partial_out + (part * CTA_ROWS + local) * HEAD_DIM;
 #pragma unroll
       for (int j = 0; j < kOut / 4; ++j)
         *reinterpret_cast<float2*>(dst + 8 * j + 2 * c) =
             make_float2(o[4 * j + 2 * hr] * f, o[4 * j + 2 * hr + 1] * f);
-      if (c == 0) p.partial_lse[part * CTA_ROWS + local] = lse2;
+      if (c == 0) (SHARED ? shared + C::kLse : p.partial_lse + part * CTA_ROWS)[local] = lse2;
     }
   }
 }

@@ -12,12 +12,14 @@ namespace llfd {
 // aligned; 16-byte chunk c of row r at r * 128 + 16 * (c ^ (r % 8))). K-major: `stride` bytes
 // between 8-row groups (`leading` unused); MN-major (transposed B): `leading` bytes between
 // 64-element blocks of N, `stride` between 8-row groups of K. The low word holds the address
-// (>> 4) and the leading offset, the high one the stride and the swizzle mode: shared addresses
-// are below 256 KB, so an operand `bytes` further is the same descriptor with `bytes >> 4` added
-// to the low word (descriptor_plus: one add per MMA, no carry into the high word).
+// (bits 4-17, a 14-bit field: a CTA of a cluster launch has its shared window above 256 KB, and
+// unmasked the higher bits moved the leading offset, PERF_NOTES v24) and the leading offset, the
+// high one the stride and the swizzle mode. An operand `bytes` further within the CTA's shared
+// memory is the same descriptor with `bytes >> 4` added to the low word (descriptor_plus: one
+// add per MMA, no carry into the high word).
 __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t address, uint32_t leading,
                                                      uint32_t stride) {
-  const uint32_t lo = (address >> 4) | ((leading >> 4) << 16);
+  const uint32_t lo = ((address >> 4) & 0x3fffu) | ((leading >> 4) << 16);
   const uint32_t hi = (stride >> 4) | (1u << 30);
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }

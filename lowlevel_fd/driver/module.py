@@ -138,6 +138,14 @@ class Kernel:
         return int(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
             self.handle, block_threads, dynamic_shared))
 
+    def max_active_clusters(self, config: LaunchConfig) -> int:
+        """Clusters of ``config.cluster`` that the device holds at once for this launch shape
+        (0 when none fits)."""
+        if config.cluster is None:
+            raise ValueError("max_active_clusters: the launch config has no cluster shape")
+        return int(cu.cuOccupancyMaxActiveClusters(self.handle,
+                                                   _extended_config(config, config.dims())))
+
     def prepare(self, config: LaunchConfig, *args: Any) -> "PreparedLaunch":
         return PreparedLaunch(self, config, ArgPack(*args))
 

@@ -18,7 +18,8 @@ from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
 from .bind import MultiBinder, host_queries
 from .params import MultiParams
-from .planner import MAX_SPLITS, MultiWorkload, choose_ksplit, choose_splits, choose_wg_rows
+from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_ksplit, choose_splits,
+                      choose_wg_rows)
 from .variants import WG_ROWS, MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
@@ -67,7 +68,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
              num_splits: int | None = None, ksplit: int | None = None,
              tree: bool = False, wgmma: bool | None = None,
-             wg_rows: int | None = None) -> "MultiPlan":
+             wg_rows: int | None = None, cluster: bool | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0, or None:
         decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size
         the workspace. ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
@@ -77,12 +78,17 @@ class MultiPlan(OnCache, CreatedFromOptions):
         warpgroup-MMA kernels (sm_90, head_dim 64/128, whole tiles per warpgroup); None lets
         the planner pick them wherever they apply. ``wg_rows`` (implies ``wgmma=True``): the
         warpgroup kernel's query rows per CTA, 128 (two warpgroups) or 64 (one, two CTAs per
-        SM); by default the planner's, or the smaller that holds a sequence's rows."""
+        SM); by default the planner's, or the smaller that holds a sequence's rows.
+        ``cluster``: the warpgroup kernels' splits merge inside a thread-block cluster (sm_90,
+        2 .. 8 splits; True requires it, False forbids it); None: wherever the device holds
+        the clustered grid as well as the plain one (``describe()["cluster"]``)."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
         if wgmma is not None:
             check.flag("wgmma", wgmma)
+        if cluster is not None:
+            check.flag("cluster", cluster)
         if num_splits is not None:  # checked before anything is compiled or loaded
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
@@ -111,7 +117,19 @@ class MultiPlan(OnCache, CreatedFromOptions):
         batch, total_q, tiles = int(qo_lens.size), int(qo_lens.sum()), work.max_tiles
         slots = batch * self.num_kv_heads * tiles
         rows = self.variant.rows_per_cta
-        self._ensure_workspace(slots * splits * rows if splits > 1 else 0, slots)
+        self._grid = (tiles * self.num_kv_heads, splits, batch)
+        check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
+        # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
+        # they launch programmatically, the launch overlapping that kernel's tail.
+        programmatic = self.device.compute_capability >= (9, 0)
+        clustered = choose_cluster(
+            cluster, "warpgroup" if use_wgmma else "mma.sync", self.device.arch,
+            self.device.compute_capability >= (9, 0), splits, slots * splits,
+            self.device.sm_count * ctas_per_sm,
+            lambda: kernel.max_active_clusters(LaunchConfig(self._grid, threads, shared,
+                                                            cluster=(1, splits, 1))))
+        self._ensure_workspace(slots * splits * rows if splits > 1 and not clustered else 0,
+                               slots)
         p = self._params
         ws = self._workspace
         p.partial_out, p.partial_lse = ws["partial_out"].ptr, ws["partial_lse"].ptr
@@ -120,13 +138,9 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
         p.num_splits, p.min_split_tokens = splits, min_tokens
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
-        self._grid = (tiles * self.num_kv_heads, splits, batch)
-        check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
-        # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
-        # they launch programmatically, the launch overlapping that kernel's tail.
-        programmatic = self.device.compute_capability >= (9, 0)
         self._launch = kernel.prepare(
-            LaunchConfig(self._grid, threads, shared, programmatic=programmatic), p)
+            LaunchConfig(self._grid, threads, shared, programmatic=programmatic,
+                         cluster=(1, splits, 1) if clustered else None), p)
         self._generation += 1
         self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree,
                              decode_rows)
@@ -136,7 +150,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
             "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
             "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
             "max_tiles": tiles,
-            "num_splits": splits, "min_split_tokens": min_tokens,
+            "num_splits": splits, "min_split_tokens": min_tokens, "cluster": clustered,
             "tile_tokens": self.variant.tile_tokens,
             "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,

@@ -11,10 +11,17 @@ captured graph follows lengths that change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
+# The warpgroup kernels' splits of a row tile merge inside a thread-block cluster through
+# distributed shared memory (multi_cluster.cuh) when they are 2 .. MAX_CLUSTER_SPLITS (the
+# portable cluster size) and the device holds as many of the clustered CTAs at once as of
+# the plain ones: the global merge's round trips cost 6.6 of 28.2 us at B=32, multi-query
+# group 64, 4 splits (PERF_NOTES v24).
+MAX_CLUSTER_SPLITS = 8  # kMultiMaxClusterSplits in multi_cluster.cuh
 # KV tiles per split at least, and the grid the splits aim for (resident CTAs per SM x SMs x
 # WAVES). Measured at S=4096, 4 drafts (PERF_NOTES m2): at B=8, 4 splits of 1024 tokens took
 # 35.6 us and 13 splits of 320 tokens 46.4 us (a split's fixed cost, its Q, the pipeline's
@@ -94,3 +101,37 @@ def choose_ksplit(qo_lens: np.ndarray, group_size: int, head_dim: int) -> int:
     if rows <= 32:
         return 4 if head_dim == 64 else 2
     return 1
+
+
+def cluster_merge_fits(splits: int, ctas: int, resident_ctas: int,
+                       resident_clusters: int) -> bool:
+    """Whether ``ctas`` CTAs in clusters of ``splits`` lose no residency: the device holds
+    ``resident_clusters`` such clusters at once against ``resident_ctas`` plain CTAs."""
+    if not 2 <= splits <= MAX_CLUSTER_SPLITS:
+        return False
+    return resident_clusters * splits >= min(ctas, resident_ctas)
+
+
+def choose_cluster(cluster: bool | None, kernel: str, arch: str, hopper: bool, splits: int,
+                   ctas: int, resident_ctas: int, resident_clusters: Callable[[], int]) -> bool:
+    """Whether a plan's ``splits`` merge inside a cluster: only the warpgroup kernels
+    (``kernel``) on sm_90 (``hopper``) at 2 .. MAX_CLUSTER_SPLITS splits can; ``cluster``
+    True requires it (ValueError where it cannot), False forbids it, None takes it where
+    cluster_merge_fits. ``resident_clusters()``: how many the device holds at once (asked only
+    when needed)."""
+    if cluster is False:
+        return False
+    able = kernel == "warpgroup" and hopper and 2 <= splits <= MAX_CLUSTER_SPLITS
+    if cluster and not able:
+        raise ValueError(f"cluster: the cluster merge needs the warpgroup kernels (sm_90) and 2 "
+                         f"to {MAX_CLUSTER_SPLITS} splits, got the {kernel} kernel on {arch} "
+                         f"with {splits} split(s)")
+    if not able:
+        return False
+    resident = resident_clusters()
+    if cluster:
+        if resident < 1:
+            raise ValueError(f"cluster: the device holds no cluster of {splits} CTAs of this "
+                             f"kernel")
+        return True
+    return cluster_merge_fits(splits, ctas, resident_ctas, resident)
