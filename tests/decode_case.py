@@ -65,6 +65,13 @@ class Case:
         h["v_scale"] = rng.uniform(0.004, 0.012, self.scale_shape()).astype(scale_dtype)
         h["seq_lens"] = np.asarray(self.lengths, dtype=np.int32)
 
+    def set_lengths(self, lengths: list[int]) -> None:
+        """New lengths for the oracle and, once uploaded, the device copy the kernels read."""
+        self.lengths = list(lengths)
+        self.host["seq_lens"] = np.asarray(lengths, np.int32)
+        if "seq_lens" in self.device:
+            self.device["seq_lens"].copy_from_numpy(self.host["seq_lens"])
+
     def upload(self) -> dict[str, DeviceArray]:
         for name, value in self.host.items():
             self.device[name] = DeviceArray.from_numpy(value)

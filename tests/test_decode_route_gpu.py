@@ -135,9 +135,7 @@ def test_a_prepared_routed_call_replays_in_a_graph_as_the_lengths_change(rng, st
         with capture(stream) as graph:
             call.launch(stream)
         for lengths in ([1000, 20, 0], [1, 8999, 4097], [0, 0, 9000]):
-            case.lengths = lengths
-            case.host["seq_lens"] = np.asarray(lengths, np.int32)
-            d["seq_lens"].copy_from_numpy(case.host["seq_lens"])
+            case.set_lengths(lengths)
             d["out"].fill(float("nan"))
             graph.launch(stream)
             stream.synchronize()
@@ -218,27 +216,14 @@ def test_routed_append_outside_the_cache_writes_nothing_and_raises_the_flag(rng,
 def test_prepared_routed_append_and_run_launches_bitwise_what_append_and_run_does(rng, stream):
     fused = Fused(rng, [7, 300, 2048, 4100], rope="neox", table=True, num_q_heads=64,
                   num_kv_heads=1)
-    c, d = fused.case, fused.device
     fused.check(*fused.run(stream, multi=True))
     assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
-    names = ("out", "lse", "k", "v", "k_scale", "v_scale", "q")
-    expected = {name: d[name].numpy().tobytes() for name in names}
-    args = (d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"], d["v_scale"],
-            d["seq_lens"], d["out"])
+    expected = fused.state()
     for early_reads in (False, True):
-        prepared = fused.plan.prepare_append_and_run(*args, cos_sin=d["cos_sin"], lse=d["lse"],
-                                                     early_reads=early_reads)
-        for name in ("k", "v", "k_scale", "v_scale"):  # the caches before the append
-            d[name].copy_from_numpy(c.host[name])
-        d["out"].fill(float("nan"))
-        d["lse"].fill(float("nan"))
-        with capture(stream) as graph:
-            prepared.launch(stream)
-        graph.launch(stream)
-        stream.synchronize()
-        graph.close()
-        for name in names:
-            assert d[name].numpy().tobytes() == expected[name], (early_reads, name)
+        prepared = fused.prepare(early_reads)
+        fused.launch_from_the_start(prepared, stream, graph=True)
+        for name, value in fused.state().items():
+            assert value == expected[name], (early_reads, name)
         assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, early_reads
     fused.plan.close()
 

@@ -13,7 +13,7 @@ from lowlevel_fd import ERROR_OUTSIDE_CACHE
 from lowlevel_fd.append import AppendPlan
 from lowlevel_fd.append.reference import append_ref
 from lowlevel_fd.decode import TileConfig
-from lowlevel_fd.driver import DeviceArray, dtypes
+from lowlevel_fd.driver import DeviceArray, capture, dtypes
 from lowlevel_fd.quant import hadamard_rows
 from lowlevel_fd.reference import decode_attention_ref, rope_table
 
@@ -48,6 +48,37 @@ class Fused:
         self.device["v_new"] = DeviceArray.from_numpy(self.v_new)
         self.device["cos_sin"] = (None if self.table is None
                                   else DeviceArray.from_numpy(self.table))
+
+    STATE = ("out", "lse", "k", "v", "k_scale", "v_scale", "q")  # what a call may write
+
+    def state(self) -> dict[str, bytes]:
+        return {name: self.device[name].numpy().tobytes() for name in self.STATE}
+
+    def prepare(self, early_reads: bool):
+        """prepare_append_and_run over the case's buffers (RoPE from its table)."""
+        d = self.device
+        return self.plan.prepare_append_and_run(
+            d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"], d["v_scale"],
+            d["seq_lens"], d["out"], cos_sin=d["cos_sin"], lse=d["lse"],
+            early_reads=early_reads)
+
+    def launch_from_the_start(self, prepared, stream, *, graph: bool = False) -> None:
+        """The caches as before the append, out and lse poisoned, then ``prepared`` launched
+        (captured in a graph and replayed with ``graph``), and the stream synchronized."""
+        d = self.device
+        for name in ("k", "v", "k_scale", "v_scale"):
+            d[name].copy_from_numpy(self.case.host[name])
+        d["out"].fill(float("nan"))
+        d["lse"].fill(float("nan"))
+        if graph:
+            with capture(stream) as captured:
+                prepared.launch(stream)
+            captured.launch(stream)
+        else:
+            prepared.launch(stream)
+        stream.synchronize()
+        if graph:
+            captured.close()
 
     def attended(self) -> np.ndarray:
         pos, cap = self.positions, self.case.capacity
@@ -236,24 +267,14 @@ def test_prepared_append_and_run_launches_bitwise_what_append_and_run_launches(r
     early_reads) and raises the same flag (position S_max). After the next plan() the
     prepared call is stale (RuntimeError)."""
     fused = Fused(rng, [7, 300, 2048, CAPACITY], rope="neox", table=True)
-    c, d = fused.case, fused.device
     fused.check(*fused.run(stream))
     assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE
-    names = ("out", "lse", "k", "v", "k_scale", "v_scale", "q")
-    expected = {name: d[name].numpy().tobytes() for name in names}
-    args = (d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"], d["v_scale"],
-            d["seq_lens"], d["out"])
+    expected = fused.state()
     for early_reads in (False, True):
-        prepared = fused.plan.prepare_append_and_run(*args, cos_sin=d["cos_sin"], lse=d["lse"],
-                                                     early_reads=early_reads)
-        for name in ("k", "v", "k_scale", "v_scale"):  # the caches before the append
-            d[name].copy_from_numpy(c.host[name])
-        d["out"].fill(float("nan"))
-        d["lse"].fill(float("nan"))
-        prepared.launch(stream)
-        stream.synchronize()
-        for name in names:
-            assert d[name].numpy().tobytes() == expected[name], (early_reads, name)
+        prepared = fused.prepare(early_reads)
+        fused.launch_from_the_start(prepared, stream)
+        for name, value in fused.state().items():
+            assert value == expected[name], (early_reads, name)
         assert fused.plan.error_flags(stream=stream) & ERROR_OUTSIDE_CACHE, early_reads
     fused.plan.plan(fused.planned(), append=True)
     with pytest.raises(RuntimeError, match="planned again"):
