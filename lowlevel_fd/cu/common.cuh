@@ -222,6 +222,43 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
+// CTAs in this CTA's cluster (1 without a cluster launch).
+__device__ __forceinline__ uint32_t cluster_ctas() {
+  uint32_t n = 1;
+#if __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+
+// Both halves of the cluster barrier: this CTA's writes before it are visible to every CTA of
+// the cluster after it.
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// A load from a cluster CTA's shared memory (`remote`, from cluster_address).
+__device__ __forceinline__ float load_cluster(uint32_t remote) {
+  float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+__device__ __forceinline__ float4 load_cluster4(uint32_t remote) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
 // The DSMEM address of `local`'s counterpart in CTA `rank`'s shared memory.
 __device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t rank) {
   uint32_t remote = 0;

@@ -15,42 +15,6 @@ namespace llfd {
 
 constexpr int kMultiMaxClusterSplits = 8;  // multi/planner.py MAX_CLUSTER_SPLITS (portable)
 
-// CTAs in this CTA's cluster (1 without a cluster launch).
-__device__ __forceinline__ uint32_t cluster_ctas() {
-  uint32_t n = 1;
-#if __CUDA_ARCH__ >= 900
-  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-  return n;
-}
-
-// Both halves of the cluster barrier: this CTA's writes before it are visible to every CTA of
-// the cluster after it.
-__device__ __forceinline__ void cluster_sync_all() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ float load_cluster(uint32_t remote) {
-  float v = 0.f;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-  return v;
-}
-__device__ __forceinline__ float4 load_cluster4(uint32_t remote) {
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#if __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-#endif
-  return v;
-}
-
 // A split's partial rows in its shared memory: ROWS rows of HEAD_DIM floats (8 floats of
 // padding per row: the accumulators' float2 stores of 8 rows at once fill the 32 banks), then
 // ROWS base-2 LSEs.
