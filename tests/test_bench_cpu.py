@@ -160,6 +160,45 @@ def test_page_sizes_add_paged_rows_beside_the_contiguous_ones():
     for bad in ("3", "512", "x"):
         with pytest.raises(SystemExit):
             bench.parse(["--page-size", bad])
+    _, slots, _ = bench.parse(["--shapes", "4,100", "--page-size", "0,16", "--layout",
+                               "bnsh,hnd", "--page-slot", "--scale-mode", "token,head"])
+    assert [(w.kv_layout, w.scale_mode, w.page_slot) for w in slots] == [
+        ("bnsh", "token", False), ("bnsh", "head", False), ("hnd", "token", True),
+        ("hnd", "head", False)]  # a slot holds per-token scales: paged token rows only
+    assert report.storage_label(slots[2].as_dict()) == "hnd/16s"
+    assert slots[2].footprint_per_layer == 28 * slots[2].slot().nbytes + slots[2].q_out_bytes
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("page,itemsize", [(1, 4), (16, 4), (16, 2)])
+def test_page_slot_views_read_back_the_pools(layout, page, itemsize):
+    """benchlib.pages.PageSlot: K, V and both scales written through the slot's views (as
+    numpy strided views of one buffer) are the pools they stand for, and do not overlap."""
+    from benchlib.pages import PageSlot
+    N, H, D = 5, 8, 64
+    slot = PageSlot(layout, page, H, D, itemsize)
+    assert slot.nbytes % 128 == 0 and slot.nbytes >= 2 * page * H * (D + itemsize)
+    rng = np.random.default_rng(page)
+    shape = (N, page, H) if layout == "nhd" else (N, H, page)
+    pools = {n: rng.integers(-128, 128, shape + (D,), dtype=np.int8) for n in ("k", "v")}
+    dtype = np.float32 if itemsize == 4 else np.float16
+    pools.update({n: rng.random(shape).astype(dtype) for n in ("k_scale", "v_scale")})
+    flat = np.zeros(N * slot.nbytes + 64, np.uint8)
+    at = slot.offsets()
+    blocks = slot.scale_block(pools["k_scale"], pools["v_scale"]).view(np.uint8)
+    flat[:N * slot.nbytes].reshape(N, slot.nbytes)[:, at["k_scale"]:][:, :blocks.shape[1]] = blocks
+
+    def view(name):
+        base = flat[at[name]:]
+        if name in ("k", "v"):
+            return np.lib.stride_tricks.as_strided(base.view(np.int8), shape + (D,),
+                                                   slot.row_strides)
+        return np.lib.stride_tricks.as_strided(base.view(dtype), shape, slot.scale_strides)
+
+    for name in ("k", "v"):
+        view(name)[...] = pools[name]
+    for name, pool in pools.items():
+        np.testing.assert_array_equal(view(name), pool, err_msg=name)
 
 
 def test_bad_flags_exit_with_usage_error(capsys):

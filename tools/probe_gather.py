@@ -49,6 +49,21 @@ def page_bytes(page: int) -> int:
     return -(-(page * H * (D + 4)) // 128) * 128
 
 
+def slot_bytes(page: int) -> int:
+    """One slot per page holding its K rows, its V rows, then K's and V's fp32 scales, padded
+    to 128 bytes (--scale-place slot): one address range per page instead of four."""
+    return -(-(2 * page * H * (D + 4)) // 128) * 128
+
+
+def slot_scales(layout: str, page: int) -> tuple[int, tuple[int, int, int]]:
+    """(byte offset of V's scales from K's, byte strides (page, head, token)) of a slot's
+    scales: hnd [Hkv][K, V][page] and nhd [page][Hkv][K, V], so that a head's K and V scales of
+    a page share their sectors."""
+    if layout == "hnd":
+        return 4 * page, (slot_bytes(page), 8 * page, 4)
+    return 4, (slot_bytes(page), 8, 8 * H)
+
+
 def _contiguous(shape: tuple[int, ...], itemsize: int) -> SimpleNamespace:
     """An array's shape, C-contiguous byte strides and item size, with nothing allocated: what
     the library's stride readers look at."""
@@ -76,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-place", default="pool",
                         help="comma list: pool (scales in their own [N, P, Hkv] / [N, Hkv, P] "
                              "pools) and/or page (each page's scales right after its rows, in "
-                             "the same allocation, pages padded to 128 bytes)")
+                             "the same allocation, pages padded to 128 bytes) and/or slot (K "
+                             "and V rows and their scales in one slot per page)")
     parser.add_argument("--splits", type=int, default=8, help="splits per sequence")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
@@ -98,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"of {16 * WARPS * args.splits}", file=sys.stderr)
             continue
         # room for the caches, or for their padded pages with the scales inside
-        size = max([tokens * H * D] + [(tokens // int(page)) * page_bytes(int(page))
-                                       for page in args.pages.split(",")])
+        size = max([tokens * H * D] + [(tokens // int(page)) * place_bytes(int(page))
+                                       for page in args.pages.split(",")
+                                       for place_bytes in (page_bytes, slot_bytes)])
         k, v = (DeviceArray.empty(size, np.int8, device) for _ in range(2))
         ks, vs = (DeviceArray.empty(tokens * H, np.float32, device) for _ in range(2))
         for seed, array in enumerate((k, v, ks, vs)):
@@ -116,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows = (page_bytes(page),) + rows[1:]
                 scales = (page_bytes(page),) + scales[1:]
                 k_scale, v_scale = k.ptr + page * H * D, v.ptr + page * H * D
+            elif place == "slot":  # K rows, V rows, then both scales, in one slot per page
+                rows = (slot_bytes(page),) + rows[1:]
+                v_offset, scales = slot_scales(layout, page)
+                k_scale = k.ptr + 2 * page * H * D
+                v_scale = k_scale + v_offset
             table = None
             if page:  # 2 MiB-local orders count the pool's own page stride
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales in (False, True) if place == "pool" else (True,):
-                p = GatherParams(k.ptr, v.ptr, k_scale if with_scales else 0,
+            for with_scales in (False, True) if place != "page" else (True,):
+                v_rows = k.ptr + page * H * D if place == "slot" else v.ptr
+                p = GatherParams(k.ptr, v_rows, k_scale if with_scales else 0,
                                  v_scale if with_scales else 0, table.ptr if table else 0,
                                  *rows, *scales, seq_len, args.splits,
                                  page.bit_length() - 1 if page else 0,
@@ -132,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 base.setdefault(with_scales, stats.median)
                 print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
-                      f"{(place + ' fp32') if with_scales else 'none':>10} {stats.median:>8.2f} "
+                      f"{place + (' fp32' if with_scales else ' none'):>10} {stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} "
                       f"{stats.median / base[with_scales]:>6.3f}", flush=True)
             if table is not None:

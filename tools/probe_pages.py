@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="nhd,hnd")
     parser.add_argument("--contiguous", default="bnsh,bsnh", help="contiguous layouts to time")
     parser.add_argument("--orders", default="random,ordered")
+    parser.add_argument("--storage", default="pools",
+                        help="comma list: pools (K, V and scales in four pools) and/or slot "
+                             "(one slot per page holding all four: benchlib.pages.PageSlot)")
     parser.add_argument("--stages", default="0", help="pipeline stages (0: the planner's)")
     parser.add_argument("--tiles", default="0", help="16-token tiles per warp step (0: the "
                                                      "planner's)")
@@ -33,14 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     from lowlevel_fd.driver import Device, Stream
     device, stream = Device(0), Stream()
     stages = [(int(s), int(t)) for s in args.stages.split(",") for t in args.tiles.split(",")]
-    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'st/t':>6} "
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'store':>5} {'st/t':>6} "
           f"{'us':>8} {'ratio':>6}")
     for batch, seq_len in parse_shapes(args.shapes):
         variants = [Workload(batch, seq_len, kv_layout=layout)
                     for layout in args.contiguous.split(",")] + [
-            Workload(batch, seq_len, kv_layout=layout, page_size=int(page), page_order=order)
+            Workload(batch, seq_len, kv_layout=layout, page_size=int(page), page_order=order,
+                     page_slot=storage == "slot")
             for layout in args.layouts.split(",") for page in args.pages.split(",")
-            for order in args.orders.split(",")]
+            for order in args.orders.split(",") for storage in args.storage.split(",")]
         base = None
         for work in variants:
             bench = WorkloadBench(work, layer_count(work.bytes_per_layer,
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                     base = base or us
                     print(f"{batch:>4} {seq_len:>6} {work.kv_layout:>6} {work.page_size:>5} "
                           f"{work.page_order if work.page_size else '-':>8} "
+                          f"{'slot' if work.page_slot else ('pools' if work.page_size else '-'):>5} "
                           f"{bench.plan.describe()['stages']:>3}/t{bench.plan.describe()['tiles']}"
                           f" {us:>8.2f} "
                           f"{us / base:>6.3f}", flush=True)

@@ -64,6 +64,20 @@ extern "C" __global__ void fill_random(uint4* __restrict__ dst, unsigned long lo
   }
 }
 
+// dst row r (at r * dst_pitch bytes) = src row r (row_words 4-byte words, rows packed):
+// scatters per-page blocks (e.g. the scales of a page slot, benchlib.pages.PageSlot) into a
+// larger pitched allocation. Grid-stride over rows x row_words.
+extern "C" __global__ void copy_pitched(char* __restrict__ dst, long long dst_pitch,
+                                        const uint32_t* __restrict__ src, long long row_words,
+                                        long long rows) {
+  const long long total = rows * row_words;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long row = i / row_words, word = i % row_words;
+    reinterpret_cast<uint32_t*>(dst + row * dst_pitch)[word] = src[i];
+  }
+}
+
 // The decode kernel's memory access without its math (tools/probe_gather.py): what a layout
 // of the KV cache costs the memory system alone. Grid (Hkv, splits, B), 8 warps; each warp
 // streams 16-token tiles of one KV head (K and V rows of 128 bytes, and with token scales

@@ -17,7 +17,7 @@ from .stats import gbps, summarize
 
 GIB = 2**30
 SOURCE = Path(__file__).resolve().parent / "bench.cu"
-KERNELS = ("read_bandwidth", "fill_random", "gather_tiles")  # extern "C": their names are their symbols
+KERNELS = ("read_bandwidth", "fill_random", "gather_tiles", "copy_pitched")  # extern "C": their names are their symbols
 # (blocks per SM, threads per block): the same 2048 resident threads per SM cut different ways,
 # plus an oversubscribed grid; the best one is the reference.
 BANDWIDTH_CONFIGS = ((4, 512), (8, 512), (16, 256), (2, 1024), (32, 128))
@@ -50,6 +50,19 @@ def fill_random(array: DeviceArray, seed: int, stream: Stream) -> None:
     blocks = max(1, min(-(-vectors // 256), array.device.sm_count * 8))
     kernel.prepare(LaunchConfig(blocks, 256), array, np.uint64(vectors),
                    np.uint64(seed)).launch(stream)
+
+
+def copy_pitched(dst_ptr: int, dst_pitch: int, src: DeviceArray, stream: Stream) -> None:
+    """Scatter the rows of a contiguous 2-D ``src`` (rows of a multiple of 4 bytes) to
+    ``dst_ptr + r * dst_pitch`` (4-byte aligned); enqueued on ``stream``."""
+    rows, row_bytes = src.shape[0], src.nbytes // max(src.shape[0], 1)
+    if not src.is_contiguous or row_bytes % 4 or dst_ptr % 4 or dst_pitch % 4:
+        raise ValueError(f"copy_pitched: needs a contiguous source of 4-byte words and a "
+                         f"4-byte aligned destination, got {src!r} to {dst_ptr:#x} / {dst_pitch}")
+    kernel = bench_kernel(src.device, "copy_pitched")
+    blocks = max(1, min(-(-src.nbytes // 4 // 256), src.device.sm_count * 8))
+    kernel.prepare(LaunchConfig(blocks, 256), np.uint64(dst_ptr), np.int64(dst_pitch), src,
+                   np.int64(row_bytes // 4), np.int64(rows)).launch(stream)
 
 
 def measure_read_bandwidth(device: Device, stream: Stream, *, nbytes: int = 2 * GIB,

@@ -9,7 +9,7 @@ from lowlevel_fd.driver import Device, DeviceArray, Stream
 from lowlevel_fd.driver.dtypes import as_dtype
 from lowlevel_fd.reference import decode_attention_ref
 
-from .kernels import fill_random
+from .kernels import copy_pitched, fill_random
 from .pages import bnsh_from_pages, page_ids
 from .workloads import Workload
 
@@ -21,6 +21,29 @@ TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 # Above this many reference tokens (B x S) only a few rows are checked: the float64 oracle
 # dequantizes whole rows and would dominate the run time of the large shapes.
 FULL_CHECK_TOKENS = 1 << 16
+
+
+def _slot_arrays(workload: Workload, scales: list[np.ndarray], seed: int, device: Device,
+                 stream: Stream) -> dict[str, DeviceArray]:
+    """One layer's pools as views of one allocation of page slots (``PageSlot``): random
+    bytes, then the scales scattered into each slot."""
+    slot = workload.slot()
+    buffer = DeviceArray.empty((workload.num_pages, slot.nbytes), np.uint8, device)
+    fill_random(buffer, seed, stream)
+    block = DeviceArray.from_numpy(slot.scale_block(*scales), device)
+    at = slot.offsets()
+    copy_pitched(buffer.ptr + at["k_scale"], slot.nbytes, block, stream)
+    stream.synchronize()
+    block.close()
+    arrays = {"slot": buffer}  # closed with the views (which only borrow it)
+    for name, dtype, shape, strides in (
+            ("k", np.int8, workload.cache_shape, slot.row_strides),
+            ("v", np.int8, workload.cache_shape, slot.row_strides),
+            ("k_scale", scales[0].dtype, workload.scale_shape, slot.scale_strides),
+            ("v_scale", scales[0].dtype, workload.scale_shape, slot.scale_strides)):
+        arrays[name] = DeviceArray(buffer.ptr + at[name], shape, dtype, device, strides,
+                                   owner=buffer)
+    return arrays
 
 
 class LayerSet:
@@ -39,13 +62,19 @@ class LayerSet:
         self.layers: list[dict[str, DeviceArray]] = []
         self.host_q0 = None
         for layer in range(num_layers):
-            arrays = {}
-            for name in ("k", "v"):
-                arrays[name] = DeviceArray.empty(workload.cache_shape, np.int8, device)
-                fill_random(arrays[name], seed * 1_000_003 + 2 * layer + (name == "v"), stream)
-            for name in ("k_scale", "v_scale"):
-                scales = rng.uniform(0.5, 1.5, workload.scale_shape) * SCALE_CENTER
-                arrays[name] = DeviceArray.from_numpy(scales.astype(scale_dtype), device)
+            scales = [(rng.uniform(0.5, 1.5, workload.scale_shape) * SCALE_CENTER).astype(
+                scale_dtype) for _ in range(2)]
+            if workload.page_slot:
+                arrays = _slot_arrays(workload, scales, seed * 1_000_003 + 2 * layer, device,
+                                      stream)
+            else:
+                arrays = {}
+                for name in ("k", "v"):
+                    arrays[name] = DeviceArray.empty(workload.cache_shape, np.int8, device)
+                    fill_random(arrays[name], seed * 1_000_003 + 2 * layer + (name == "v"),
+                                stream)
+                for name, host in zip(("k_scale", "v_scale"), scales):
+                    arrays[name] = DeviceArray.from_numpy(host, device)
             q = rng.standard_normal(q_shape).astype(np.float32).astype(q_dtype)
             arrays["q"] = DeviceArray.from_numpy(q, device)
             arrays["out"] = DeviceArray.empty(q_shape, q_dtype, device)
@@ -123,6 +152,7 @@ class LayerSet:
         for arrays in self.layers:
             for array in arrays.values():
                 array.close()
+
         self.layers.clear()
         self.seq_lens.close()
         for array in self.pages.values():

@@ -32,11 +32,13 @@ def _check_cell(check: dict | None) -> str:
 
 
 def storage_label(w: dict) -> str:
-    """The layout, with the page size of a paged cache (``nhd/16``; ``o`` = pages in order)."""
+    """The layout, with the page size of a paged cache (``nhd/16``; ``o`` = pages in order,
+    ``s`` = one slot per page for K, V and scales)."""
     page = w.get("page_size") or 0
     if not page:
         return w["kv_layout"]
-    return f"{w['kv_layout']}/{page}" + ("o" if w.get("page_order") == "ordered" else "")
+    return (f"{w['kv_layout']}/{page}" + ("o" if w.get("page_order") == "ordered" else "")
+            + ("s" if w.get("page_slot") else ""))
 
 
 def row_cells(result: dict) -> list[str]:

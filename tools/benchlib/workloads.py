@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .pages import PAGE_ORDERS
+from .pages import PAGE_ORDERS, PageSlot
 
 MIB = 2**20
 GIB = 2**30
@@ -55,6 +55,7 @@ class Workload:
     ragged: bool = False
     page_size: int = 0  # 0: a contiguous cache; else pages (kv_layout nhd or hnd)
     page_order: str = "random"  # physical page order: benchlib.pages.PAGE_ORDERS
+    page_slot: bool = False  # a page's K, V and token scales in one slot (benchlib.pages.PageSlot)
 
     @property
     def pages_per_seq(self) -> int:
@@ -119,6 +120,8 @@ class Workload:
     @property
     def footprint_per_layer(self) -> int:
         """Device memory one layer allocates (full-capacity caches and scales, q, out)."""
+        if self.page_slot:
+            return self.num_pages * self.slot().nbytes + self.q_out_bytes
         cache = 2 * int(np.prod(self.cache_shape))
         scales = 2 * int(np.prod(self.scale_shape)) * (
             _ITEMSIZE[self.scale_dtype] if self.scale_mode == "token" else 4)
@@ -129,6 +132,13 @@ class Workload:
         """What SDPA moves with a 16-bit cache at full length S: 2x the int8 KV bytes."""
         kv = self.batch * self.num_kv_heads * self.seq_len * self.head_dim * 2 * 2
         return kv + self.q_out_bytes
+
+    def slot(self) -> PageSlot:
+        """The layout of a page slot (``page_slot`` workloads: paged, per-token scales)."""
+        if not (self.page_slot and self.page_size and self.scale_mode == "token"):
+            raise ValueError(f"page_slot: needs pages and per-token scales, got {self.label}")
+        return PageSlot(self.kv_layout, self.page_size, self.num_kv_heads, self.head_dim,
+                        _ITEMSIZE[self.scale_dtype])
 
     # -- labels ---------------------------------------------------------------------------------
     @property
@@ -146,6 +156,7 @@ class Workload:
                 + (f" page {self.page_size}" if self.page_size else "")
                 + (f" {self.page_order}" if self.page_size and self.page_order != "random"
                    else "")
+                + (" slot" if self.page_slot else "")
                 + (" ragged" if self.ragged else ""))
 
     def as_dict(self) -> dict:
@@ -247,6 +258,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--page-order", choices=PAGE_ORDERS, default="random",
                        help="physical order of the pages (default random: fragmented; "
                             "benchlib.pages.page_ids)")
+    group.add_argument("--page-slot", action="store_true",
+                       help="paged rows keep each page's K rows, V rows and token scales in "
+                            "one slot of one allocation (benchlib.pages.PageSlot) instead of "
+                            "four pools")
     group.add_argument("--scale-mode", help="comma list of tensor,head,token-fp32,token-fp16 "
                                             "(token = token-fp32) or 'all'")
     group.add_argument("--q-dtype", help="comma list of fp16,bf16 or 'all'")
@@ -281,8 +296,9 @@ def workloads_from_args(args: argparse.Namespace,
                           MODE_NAMES)
     q_dtypes = parse_choices("--q-dtype", args.q_dtype or "fp16", Q_DTYPES, ("fp16", "bf16"))
     order = getattr(args, "page_order", None) or "random"
+    slot = bool(getattr(args, "page_slot", False))
     sweep = [Workload(b, s, num_q_heads, num_kv_heads, head_dim, layout, mode, scale_dtype, q,
-                      bool(args.ragged), page, order)
+                      bool(args.ragged), page, order, slot and page > 0 and mode == "token")
              for (b, s), (num_q_heads, num_kv_heads), layout, (mode, scale_dtype), q, page
              in itertools.product(shapes, head_pairs, layouts, modes, q_dtypes, page_sizes)
              if (layout in PAGED_LAYOUTS) == (page > 0)]  # paged layouts with page sizes only
