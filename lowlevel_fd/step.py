@@ -3,8 +3,9 @@ CUDA graph (or the same launches issued eagerly), with the lengths advancing on 
 
 Fused (the default): one launch per layer, ``DecodePlan.append_and_run``, rotates the layer's
 new token and query at position ``seq_lens[b]``, writes the token into the cache and attends
-the ``seq_lens[b] + 1`` tokens (two launches where the plan routes a large group to the
-multi-token kernels: the append kernel, then attention); every layer reads the same
+the ``seq_lens[b] + 1`` tokens (two or three launches where the plan routes a large group to
+the multi-token kernels: the append kernel, attention, and the split merge's kernel where its
+splits are merged by one); every layer reads the same
 ``seq_lens``, and one ``advance_lengths`` launch after the last layer bumps them:
 
     layer i   append_and_run at seq_lens              (writes at L, attends L + 1)

@@ -143,3 +143,37 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     if not np.isfinite(out).all():
         return float("inf")
     return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def check_decode_replays(case: MultiCase, plan: MultiPlan, stream: Any,
+                         lengths: list[list[int]]) -> None:
+    """A plan of decode rows (planned for ``case.kv_lens``) captured once, replayed over each
+    set of device ``lengths`` (0: an empty sequence, out 0 and lse -inf): against the oracle,
+    and bitwise equal to an eager run of the same lengths."""
+    from lowlevel_fd.driver import capture
+    d = case.device
+
+    def launch():
+        plan.run(d["q"], d["k_cache"], d["v_cache"], d["k_scale"], d["v_scale"],
+                 d["seq_lens"], None, d["out"], lse=d["lse"], stream=stream)
+    with capture(stream) as graph:
+        launch()
+    for kv in lengths:
+        d["seq_lens"].copy_from_numpy(np.asarray(kv, np.int32))
+        case.kv_lens = [max(n, 1) for n in kv]  # the oracle takes no empty sequence
+        case.host["seq_lens"] = np.asarray(case.kv_lens, np.int32)
+        d["out"].fill(np.nan)
+        d["lse"].fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        out, lse = d["out"].numpy().copy(), d["lse"].numpy().copy()
+        ref_out, ref_lse = case.reference(causal=False)
+        empty = np.asarray(kv) == 0
+        assert relative_error(out[~empty], ref_out[~empty]) <= TOLERANCE[case.dtype]
+        np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=0, atol=2e-3)
+        assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+        launch()
+        stream.synchronize()
+        assert d["out"].numpy().tobytes() == out.tobytes()
+        assert d["lse"].numpy().tobytes() == lse.tobytes()
+    graph.close()

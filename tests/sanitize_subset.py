@@ -404,6 +404,23 @@ case("extend cluster merge: graph replay over the active splits, pages with bad 
      lambda rng, stream: len(multi.wgmma_choices()) > 1 and (
          cluster.test_graph_replay_follows_the_active_splits(rng, stream),
          cluster.test_cluster_merge_over_pages_and_bad_page_ids(rng, stream, "nhd", 1)))
+import test_multi_combine_gpu as combine  # noqa: E402
+
+case("extend merge kernel: mma.sync d256 and d64, 32 splits, ragged, against the last split",
+     lambda rng, stream: (
+         combine.test_the_merge_kernel_is_the_last_splits_merge(
+             rng, stream, dict(head_dim=256, ksplit=2, wgmma=False), 32),
+         combine.test_the_merge_kernel_is_the_last_splits_merge(
+             rng, stream, dict(head_dim=64, ksplit=1, wgmma=False), 5)))
+case("extend merge kernel: wgmma 128 and 64 rows, pages, graph replay over the active splits",
+     lambda rng, stream: (
+         len(multi.wgmma_choices()) > 1 and (
+             combine.test_the_merge_kernel_is_the_last_splits_merge(
+                 rng, stream, dict(head_dim=128, wg_rows=128), 5),
+             combine.test_the_merge_kernel_is_the_last_splits_merge(
+                 rng, stream, dict(head_dim=64, wg_rows=64), 2)),
+         combine.test_the_merge_kernel_over_pages(rng, stream, "nhd", 1),
+         combine.test_graph_replay_follows_the_active_splits(rng, stream)))
 import test_decode_route_gpu as route  # noqa: E402
 
 case("decode rows: empty sequences, every multi kernel, KV splits, early reads",

@@ -199,7 +199,8 @@ def test_routed_append_and_run_matches_the_fused_oracle(rng, stream, head_dim, h
     fused.round_query = False  # the multi-token kernel keeps the rotated q in fp16 per row
     fused.check(*fused.run(stream, multi=True))  # cache bytes, q untouched, out, lse
     described = fused.plan.describe()
-    assert described["backend"] == "multi" and described["append_launches"] == 2
+    assert described["backend"] == "multi"
+    assert described["append_launches"] == 1 + described["multi"]["launches"]
     assert fused.plan.error_flags(stream=stream) == 0
     fused.plan.close()
 

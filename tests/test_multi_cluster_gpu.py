@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import HAS_GPU
-from multi_case import TOLERANCE, MultiCase, relative_error
+from multi_case import TOLERANCE, MultiCase, check_decode_replays, relative_error
 
 from lowlevel_fd import ERROR_BAD_PAGE
-from lowlevel_fd.driver import Device, LaunchConfig, capture
+from lowlevel_fd.driver import Device, LaunchConfig
 from lowlevel_fd.multi.planner import MAX_CLUSTER_SPLITS, cluster_merge_fits
 from lowlevel_fd.multi.variants import WG_ROWS, wgmma_available
 
@@ -89,36 +89,12 @@ def test_graph_replay_follows_the_active_splits(rng, stream):
     """One captured clustered launch replayed over lengths that leave 1 to 5 of its splits
     active per sequence (and none: an empty sequence), bitwise equal to eager runs."""
     case = MultiCase([1] * 4, [4096, 2000, 300, 5], 64, 1, 128, capacity=4096).fill(rng)
-    d = case.upload(rng)
+    case.upload(rng)
     with case.make_plan() as plan:
         plan.plan(None, [4096] * 4, causal=False, num_splits=5, cluster=True, wg_rows=128)
         assert plan.describe()["cluster"]
-        d_out, d_lse = d["out"], d["lse"]
-
-        def launch():
-            plan.run(d["q"], d["k_cache"], d["v_cache"], d["k_scale"], d["v_scale"],
-                     d["seq_lens"], None, d_out, lse=d_lse, stream=stream)
-        with capture(stream) as graph:
-            launch()
-        for kv in ([4096, 2000, 300, 5], [1, 4096, 0, 1023], [3000, 3000, 3000, 3000]):
-            d["seq_lens"].copy_from_numpy(np.asarray(kv, np.int32))
-            # the oracle takes no empty sequence under a query row: its row is checked apart
-            case.kv_lens = [max(n, 1) for n in kv]
-            case.host["seq_lens"] = np.asarray(case.kv_lens, np.int32)
-            d_out.fill(np.nan)
-            d_lse.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            out, lse = d_out.numpy().copy(), d_lse.numpy().copy()
-            ref_out, ref_lse = case.reference(causal=False)
-            empty = np.asarray(kv) == 0
-            assert relative_error(out[~empty], ref_out[~empty]) <= TOLERANCE["float16"]
-            np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=0, atol=2e-3)
-            assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
-            launch()
-            stream.synchronize()
-            assert d_out.numpy().tobytes() == out.tobytes()
-        graph.close()
+        check_decode_replays(case, plan, stream, [[4096, 2000, 300, 5], [1, 4096, 0, 1023],
+                                                  [3000, 3000, 3000, 3000]])
         assert plan.error_flags(stream=stream) == 0
 
 

@@ -18,7 +18,7 @@ from lowlevel_fd.multi.bind import MultiBinder
 from lowlevel_fd.multi.params import MultiParams
 from lowlevel_fd.multi.bind import host_queries
 from lowlevel_fd.multi.planner import (MAX_CLUSTER_SPLITS, MAX_SPLITS, choose_cluster,
-                                       choose_ksplit, cluster_merge_fits)
+                                       choose_ksplit, choose_merge, cluster_merge_fits)
 from lowlevel_fd.multi.variants import ksplits, tile_tokens
 
 CU = Path(__file__).resolve().parents[1] / "lowlevel_fd" / "cu"
@@ -88,6 +88,10 @@ def test_constructor_takes_a_spec():
      r"^ksplit: expected one of \(2,\) at head_dim 128 with tree=True, got 1$"),
     ({"wgmma": 1}, TypeError, r"^wgmma: expected a bool, got int 1$"),
     ({"cluster": 1}, TypeError, r"^cluster: expected a bool, got int 1$"),
+    ({"combine": 1}, TypeError, r"^combine: expected a bool, got int 1$"),
+    ({"combine": True, "cluster": True}, ValueError,
+     r"^combine: the merge kernel and the cluster merge exclude each other, got combine=True "
+     r"with cluster=True$"),
     ({"wgmma": True, "ksplit": 2}, ValueError,
      r"^wgmma: the warpgroup-MMA kernel takes whole tiles \(ksplit 1, no tree masks\), got "
      r"ksplit 2, tree=False$"),
@@ -261,6 +265,25 @@ def test_the_cluster_choice_and_its_errors():
         choose_cluster(True, "warpgroup", "sm_90", True, 8, 32, 132, lambda: 0)
 
 
+def test_the_merge_choice():
+    assert choose_merge(None, False, 1) is None and choose_merge(True, False, 1) is None
+    assert choose_merge(None, True, 4) == "cluster"
+    assert choose_merge(None, False, 4) == choose_merge(True, False, 4) == "kernel"
+    assert choose_merge(False, False, 4) == "last split"
+
+
+def test_merge_kernels_serve_every_attention_shape_once():
+    from lowlevel_fd.multi.variants import CombineVariant, MultiVariant, shipped_variants
+    shipped = list(shipped_variants())
+    attention = [v for v in shipped if isinstance(v, MultiVariant)]
+    combines = [v for v in shipped if isinstance(v, CombineVariant)]
+    assert len(combines) == len(set(combines)) == 18
+    assert {CombineVariant.of(v) for v in attention} == set(combines)
+    for c in combines:  # a CTA's rows lie in one row tile; one quad per thread
+        assert c.rows % c.rows_per_cta == 0 and c.rows_per_cta * c.head_dim // 4 == c.threads
+    assert CombineVariant(128, 64, 64).grid(32, 8) == (32, 16, 8)
+
+
 @pytest.mark.parametrize("qo, group, head_dim, ksplit", [
     ([4, 1], 4, 128, 2), ([8], 4, 128, 2), ([9], 4, 128, 1), ([1], 32, 64, 4),
     ([1], 64, 128, 1), ([2], 8, 256, 2), ([0, 0], 4, 128, 2), ([4], 4, 64, 4)])
@@ -392,7 +415,8 @@ def test_error_bits_match_the_header():
 
 
 def test_shipped_variants_cover_the_matrix():
-    variants = list(shipped_variants())
+    from lowlevel_fd.multi.variants import MultiVariant
+    variants = [v for v in shipped_variants() if isinstance(v, MultiVariant)]
     keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit, v.wgmma,
              v.wg_rows) for v in variants}
     # mma.sync: 3 head dims x 2 dtypes x 4 scale configurations x 2 storages x 2 KSPLITs;

@@ -9,8 +9,8 @@ causal, INT8 bnsh cache with per-token fp32 scales. L2-honest: L >= 2 layers wit
 caches per graph replay, L x KV bytes >= 200 MiB; us per layer, median of 30 replays [p20,
 p80]; decode (one token per sequence) over the same caches in the same run. Each kernel (the
 split-warp mma.sync kernel, the warpgroup kernels with CTAs of 64 and of 128 rows, their splits
-merged as planned or always through global memory) runs at the planner's splits and at 2, 4 and
-8; every output is compared with the first one's.
+merged as planned, by the merge kernel or by the last split) runs at the planner's splits and at
+2, 4 and 8; every output is compared with the first one's.
 """
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ import json
 import sys
 
 S = 4096
-# The warpgroup kernels' splits merge as planned (in a cluster where it fits) and, "global",
-# always through global memory.
-KERNELS = {"mma": {"wgmma": False}, "wg64": {"wg_rows": 64}, "wg128": {"wg_rows": 128},
-           "wg64 global": {"wg_rows": 64, "cluster": False},
-           "wg128 global": {"wg_rows": 128, "cluster": False}}
+# Every kernel's splits merge as planned (in a cluster where it fits); the warpgroup kernels'
+# also by the merge kernel ("kernel") and by the last split ("last"), and mma.sync's by both.
+KERNELS = {"mma": {"wgmma": False}, "mma kernel": {"wgmma": False, "combine": True},
+           "mma last": {"wgmma": False, "combine": False},
+           "wg64": {"wg_rows": 64}, "wg128": {"wg_rows": 128},
+           "wg64 kernel": {"wg_rows": 64, "combine": True},
+           "wg128 kernel": {"wg_rows": 128, "combine": True},
+           "wg64 last": {"wg_rows": 64, "cluster": False, "combine": False},
+           "wg128 last": {"wg_rows": 128, "cluster": False, "combine": False}}
 
 
 def ints(text: str) -> list[int]:
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
                                                 for c in caches], iters=30, warmup=5, per=layers)
                         described = plan.describe()
                         key = (f"{name}, splits {described['num_splits']}"
-                               f"{', cluster' if described.get('cluster') else ''}")
+                               f"{', ' + described['merge'] if described['merge'] else ''}")
                         times[key + (" (planned)" if splits is None else "")] = t
                     torch.cuda.synchronize()
                     if first is None:

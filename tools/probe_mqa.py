@@ -9,7 +9,7 @@ Needs torch and a GPU. L2-honest: L >= 2 layers with distinct caches per graph r
 bytes >= 200 MiB; us per layer (median of 30 replays); % of the read reference measured in the
 same run. MultiPlan is timed at every kernel (mma.sync with ksplit 1 or split warps; on sm_90
 the warpgroup kernels with CTAs of 128 and of 64 rows, their splits merged as planned, in a
-thread-block cluster or through global memory) x num_splits setting; the best and the
+thread-block cluster, by the merge kernel or by the last split) x num_splits setting; the best and the
 planner's own pick are reported; each MultiPlan output is compared with decode's.
 """
 from __future__ import annotations
@@ -89,29 +89,32 @@ def main(argv=None) -> int:
         multi = {}
         kernels = {"ksplit 1": {"ksplit": 1, "wgmma": False},
                    f"ksplit {ksplits(D)[-1]}": {"ksplit": ksplits(D)[-1], "wgmma": False}}
-        if wgmma_ok:  # the splits merged as the planner chooses, in a cluster, in memory
-            for wg_rows in WG_ROWS:
+        if wgmma_ok:  # the splits merged as the planner chooses, in a cluster, by the merge
+            for wg_rows in WG_ROWS:  # kernel, by the last split
                 kernels[f"wgmma {wg_rows}"] = {"wg_rows": wg_rows}
                 kernels[f"wgmma {wg_rows} cluster"] = {"wg_rows": wg_rows, "cluster": True}
-                kernels[f"wgmma {wg_rows} global"] = {"wg_rows": wg_rows, "cluster": False}
+                kernels[f"wgmma {wg_rows} kernel merge"] = {"wg_rows": wg_rows, "combine": True}
+                kernels[f"wgmma {wg_rows} last split"] = {"wg_rows": wg_rows, "cluster": False,
+                                                          "combine": False}
         if args.planned_only:
             kernels.clear()
         kernels["planner"] = {}
+        kernels["planner, last split"] = {"combine": False}
         diff = 0.0
         for (name, options), splits in itertools.product(kernels.items(), (None, 1, 2, 3, 4, 8)):
-            if name == "planner" and splits is not None:
+            if name.startswith("planner") and splits is not None:
                 continue
-            if options.get("cluster") and splits in (None, 1):
+            if (options.get("cluster") or "combine" in options) and splits == 1:
                 continue  # nothing to merge
             plan = MultiPlan.create(hq, hkv, D, max_batch=batch, max_seq_len=seq).plan(
                 indptr_host, [seq] * batch, causal=False, num_splits=splits, **options)
             o_multi.fill_(float("nan"))
             t = time_graph(lambda: [plan.run(q, *c, lens, indptr, o_multi, stream=current())
                                     for c in caches], iters=30, warmup=5, per=layers)
-            if name == "planner":
+            if name.startswith("planner"):
                 described = plan.describe()
                 name = (f"planner ({described['kernel'].split('<')[0]}, "
-                        f"{'cluster' if described.get('cluster') else 'global'} merge)")
+                        f"{described['merge'] or 'no'} merge)")
             multi[f"{name}, splits {splits or 'planned'}"] = t["median_us"]
             plan.close()
             torch.cuda.synchronize()

@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(128, 2) multi_attend(const __grid_constant__ M
           if (c == 0) p.partial_lse[part * kCtaRows + local] = lse2;
         }
       }
-  if (active == 1) return;
+  if (active == 1 || p.combine) return;  // one split, or multi_combine merges
 
   merge_if_last<HEAD_DIM, kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
                                   reinterpret_cast<float*>(smem), is_last);

@@ -63,15 +63,7 @@ __device__ void cluster_merge(const MultiParams& p, const SequenceRows& sr, int 
       sum += w;
       acc.x += w * v[s].x; acc.y += w * v[s].y; acc.z += w * v[s].z; acc.w += w * v[s].w;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int r = row0 + local, token = r / p.group_size;
-    const int head = kvh * p.group_size + r - token * p.group_size;
-    const int64_t q_row = sr.q0 + token;
-    store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad,
-               acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (quad == 0 && p.lse != nullptr)
-      p.lse[q_row * p.num_kv_heads * p.group_size + head] =
-          sum > 0.f ? (best + __log2f(sum)) * kMultiLn2 : kNegInf;
+    store_merged_quad<QT>(p, sr, kvh, row0, local, quad, acc, sum, best);
   }
   cluster_sync_all();  // no CTA leaves while another still reads its partial
 }

@@ -59,6 +59,9 @@ struct MultiParams {
   // contract; DecodePlan runs such plans). 2: the same over seq_lens[b] + 1 tokens (the token
   // appended at seq_lens[b] just before: DecodePlan.append_and_run's lengths).
   int32_t decode_rows;
+  // 1: a row tile's splits leave their partial rows for multi_combine (a second launch), which
+  // merges them; 0: the last split to arrive merges them (counters), or the cluster does.
+  int32_t combine;
 };
 
 static_assert(sizeof(MultiParams) == 288, "keep in sync with lowlevel_fd/multi/params.py");

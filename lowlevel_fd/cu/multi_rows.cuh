@@ -191,6 +191,23 @@ __device__ __forceinline__ void store4(void* out, int64_t offset, float a, float
       make_uint2(pack2<QT>(a, b), pack2<QT>(c, d));
 }
 
+// Quad `quad` of row `local` of a row tile, merged: acc / sum into out, and from quad 0 the
+// row's LSE (natural log; best: the largest split LSE, base 2). Every split merge ends here.
+template <typename QT>
+__device__ __forceinline__ void store_merged_quad(const MultiParams& p, const SequenceRows& sr,
+                                                  int kvh, int row0, int local, int quad,
+                                                  const float4& acc, float sum, float best) {
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const int r = row0 + local, token = r / p.group_size;
+  const int head = kvh * p.group_size + r - token * p.group_size;
+  const int64_t q_row = sr.q0 + token;
+  store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad,
+             acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  if (quad == 0 && p.lse != nullptr)
+    p.lse[q_row * p.num_kv_heads * p.group_size + head] =
+        sum > 0.f ? (best + __log2f(sum)) * kMultiLn2 : kNegInf;
+}
+
 // The threads that merge a row tile's splits: the whole CTA (THREADS = 0, __syncthreads), or
 // its last THREADS threads (a warp-specialized CTA whose loading warps have left: named
 // barrier 1).
@@ -275,18 +292,10 @@ __device__ void merge_tile_splits(const MultiParams& p, const SequenceRows& sr, 
         }
     }
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (first + u * team >= n) continue;
-      const float sum = row_total[local[u]], inv = sum > 0.f ? 1.f / sum : 0.f;
-      const int r = row0 + local[u], token = r / p.group_size;
-      const int head = kvh * p.group_size + r - token * p.group_size;
-      const int64_t q_row = sr.q0 + token;
-      store4<QT>(p.out, q_row * p.out_token_stride + head * p.out_head_stride + 4 * quad[u],
-                 acc[u].x * inv, acc[u].y * inv, acc[u].z * inv, acc[u].w * inv);
-      if (quad[u] == 0 && p.lse != nullptr)
-        p.lse[q_row * p.num_kv_heads * p.group_size + head] =
-            sum > 0.f ? (row_best[local[u]] + __log2f(sum)) * kMultiLn2 : kNegInf;
-    }
+    for (int u = 0; u < kU; ++u)
+      if (first + u * team < n)
+        store_merged_quad<QT>(p, sr, kvh, row0, local[u], quad[u], acc[u], row_total[local[u]],
+                              row_best[local[u]]);
   }
 }
 

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(WgLayout<HEAD_DIM, 64>::kThreads, 2)
   }
   wg_store_rows<HEAD_DIM, L::kCtaRows, QT>(p, sr, o, m, l, vr.shift, v_const, kvh, row0,
                                           r_lo, c, part, shared, active);
-  if (active == 1) return;
+  if (active == 1 || p.combine) return;  // one split, or multi_combine merges
 
   merge_if_last<HEAD_DIM, L::kCtaRows, QT>(p, sr, kvh, row0, tile_rows, slot, active,
                                           reinterpret_cast<float*>(smem), is_last);

@@ -160,8 +160,10 @@ class DecodePlan(OnCache, CreatedFromOptions):
             "num_warps": variant.num_warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
             "programmatic": config.programmatic and hopper,
-            "launches": 1 if routed else 1 + (self._combine is not None),
-            "append_launches": 2 if routed else 1 + (self._combine is not None),
+            "launches": (self._route.describe()["launches"] if routed
+                         else 1 + (self._combine is not None)),
+            "append_launches": (1 + self._route.describe()["launches"] if routed
+                                else 1 + (self._combine is not None)),
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + shared,
             "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,

@@ -22,7 +22,8 @@ class MultiParams(ctypes.Structure):
                 + [("rope_theta", ctypes.c_float), ("key_transform", ctypes.c_int32)]
                 + PAGE_FIELDS
                 + [("tree_mask", ctypes.c_uint64), ("tree_words", ctypes.c_int32),
-                   ("early_reads", ctypes.c_int32), ("decode_rows", ctypes.c_int32)])
+                   ("early_reads", ctypes.c_int32), ("decode_rows", ctypes.c_int32),
+                   ("combine", ctypes.c_int32)])
 
 
 assert ctypes.sizeof(MultiParams) == 288, "must match sizeof(llfd::MultiParams)"

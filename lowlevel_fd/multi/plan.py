@@ -18,9 +18,9 @@ from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
 from .bind import MultiBinder, host_queries
 from .params import MultiParams
-from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_ksplit, choose_splits,
-                      choose_wg_rows)
-from .variants import WG_ROWS, MultiVariant, ksplits, wgmma_available
+from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_ksplit, choose_merge,
+                      choose_splits, choose_wg_rows)
+from .variants import WG_ROWS, CombineVariant, MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
 MAX_GRID_Z = 65535  # the batch is grid.z
@@ -59,6 +59,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._workspace: dict[str, Any] = {}
         self._params = MultiParams()
         self._launch: PreparedLaunch | None = None
+        self._combine: PreparedLaunch | None = None  # multi_combine (merge "kernel")
         self._grid = (0, 0, 0)
         self._generation = 0  # bumped by every plan(): PreparedRuns of older plans are stale
         self._description: dict[str, Any] = {}
@@ -68,7 +69,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def plan(self, qo_indptr: Any, seq_lens: Any, *, causal: bool = True,
              num_splits: int | None = None, ksplit: int | None = None,
              tree: bool = False, wgmma: bool | None = None,
-             wg_rows: int | None = None, cluster: bool | None = None) -> "MultiPlan":
+             wg_rows: int | None = None, cluster: bool | None = None,
+             combine: bool | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0, or None:
         decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size
         the workspace. ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
@@ -81,7 +83,10 @@ class MultiPlan(OnCache, CreatedFromOptions):
         SM); by default the planner's, or the smaller that holds a sequence's rows.
         ``cluster``: the warpgroup kernels' splits merge inside a thread-block cluster (sm_90,
         2 .. 8 splits; True requires it, False forbids it); None: wherever the device holds
-        the clustered grid as well as the plain one (``describe()["cluster"]``)."""
+        the clustered grid as well as the plain one (``describe()["cluster"]``). ``combine``:
+        splits not merged in a cluster are merged by a second kernel (True or None, the
+        default; True also forbids the cluster) or by the last split of each row tile to
+        finish (False); ``describe()["merge"]`` says which, ``"launches"`` how many."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
@@ -89,6 +94,11 @@ class MultiPlan(OnCache, CreatedFromOptions):
             check.flag("wgmma", wgmma)
         if cluster is not None:
             check.flag("cluster", cluster)
+        if combine is not None:
+            check.flag("combine", combine)
+            if combine and cluster:
+                raise ValueError("combine: the merge kernel and the cluster merge exclude each "
+                                 "other, got combine=True with cluster=True")
         if num_splits is not None:  # checked before anything is compiled or loaded
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
@@ -123,11 +133,12 @@ class MultiPlan(OnCache, CreatedFromOptions):
         # they launch programmatically, the launch overlapping that kernel's tail.
         programmatic = self.device.compute_capability >= (9, 0)
         clustered = choose_cluster(
-            cluster, "warpgroup" if use_wgmma else "mma.sync", self.device.arch,
+            False if combine else cluster, "warpgroup" if use_wgmma else "mma.sync", self.device.arch,
             self.device.compute_capability >= (9, 0), splits, slots * splits,
             self.device.sm_count * ctas_per_sm,
             lambda: kernel.max_active_clusters(LaunchConfig(self._grid, threads, shared,
                                                             cluster=(1, splits, 1))))
+        merge = choose_merge(combine, clustered, splits)
         self._ensure_workspace(slots * splits * rows if splits > 1 and not clustered else 0,
                                slots)
         p = self._params
@@ -138,9 +149,16 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
         p.num_splits, p.min_split_tokens = splits, min_tokens
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
+        p.combine = int(merge == "kernel")
         self._launch = kernel.prepare(
             LaunchConfig(self._grid, threads, shared, programmatic=programmatic,
                          cluster=(1, splits, 1) if clustered else None), p)
+        self._combine = None
+        if merge == "kernel":
+            combiner = CombineVariant.of(self.variant)
+            self._combine = load_kernels(combiner, self.device)[0].prepare(
+                LaunchConfig(combiner.grid(self._grid[0], batch), combiner.threads,
+                             programmatic=programmatic), p)
         self._generation += 1
         self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree,
                              decode_rows)
@@ -151,6 +169,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
             "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
             "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens, "cluster": clustered,
+            "merge": merge, "launches": 1 + (merge == "kernel"),
             "tile_tokens": self.variant.tile_tokens,
             "registers": kernel.num_registers,
             "local_bytes": kernel.local_bytes, "shared_bytes": shared,
@@ -248,6 +267,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._params.early_reads = int(early_reads)
         if self._binder.total_q:
             self._launch.launch(stream)  # type: ignore[union-attr]
+            if self._combine is not None:
+                self._combine.launch(stream)
 
     def prepare_run(self, q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                     seq_lens: Any, qo_indptr: Any, out: Any, *, lse: Any = None,
@@ -288,7 +309,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def close(self) -> None:
         """Free the workspace; the plan cannot run afterwards."""
         self._finalizer()
-        self._launch = None
+        self._launch = self._combine = None
 
     def __enter__(self) -> "MultiPlan":
         return self
@@ -316,3 +337,5 @@ class PreparedRun:
                        ctypes.sizeof(MultiParams))
         if self._rows:
             plan._launch.launch(stream)  # type: ignore[union-attr]
+            if plan._combine is not None:
+                plan._combine.launch(stream)

@@ -135,3 +135,16 @@ def choose_cluster(cluster: bool | None, kernel: str, arch: str, hopper: bool, s
                              f"kernel")
         return True
     return cluster_merge_fits(splits, ctas, resident_ctas, resident)
+
+
+def choose_merge(combine: bool | None, clustered: bool, splits: int) -> str | None:
+    """How a plan's ``splits`` merge: None with one split (nothing to merge); "cluster" where
+    choose_cluster clustered them; else "kernel", multi_combine as a second launch (every
+    row's quads merged by their own threads across the GPU, PERF_NOTES v26), unless
+    ``combine`` is False: "last split", the last split of each row tile to finish merges them
+    all after a fence and an atomic (merge_if_last)."""
+    if splits <= 1:
+        return None
+    if clustered:
+        return "cluster"
+    return "last split" if combine is False else "kernel"

@@ -2,7 +2,8 @@
 dtype, storage) and kernel: multi_attend (multi.cu, mma.sync, every arch, KSPLIT 1 or split
 warps) and, on Hopper's warpgroup MMA (sm_90 only, head_dim 64 and 128, whole tiles per
 warpgroup), multi_attend_wg (multi_wg.cu, CTAs of 128 query rows) and multi_attend_wg64
-(multi_wg64.cu, CTAs of 64 rows, two per SM)."""
+(multi_wg64.cu, CTAs of 64 rows, two per SM); and the separate split merge, multi_combine
+(multi_combine.cu), one per (head_dim, rows per CTA, tokens per tile, dtype) of those."""
 from __future__ import annotations
 
 import itertools
@@ -152,9 +153,50 @@ class MultiVariant:
                               self.kernel_names)
 
 
-def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant]:
-    """Every variant a MultiPlan can pick (``num_warps``: the CLI's family interface; one block
-    size here)."""
+@dataclass(frozen=True)
+class CombineVariant:
+    """multi_combine for the partials of one attention kernel shape: its rows per CTA (the
+    partials' rows) and tokens per tile (how its splits cut a row tile's KV)."""
+
+    head_dim: int
+    rows: int
+    tokens: int
+    dtype: str = "float16"
+
+    threads = 128  # kCombineThreads
+    source = "multi_combine.cu"
+
+    @classmethod
+    def of(cls, variant: MultiVariant) -> "CombineVariant":
+        return cls(variant.head_dim, variant.rows_per_cta, variant.tile_tokens, variant.dtype)
+
+    @property
+    def rows_per_cta(self) -> int:
+        """Rows one CTA merges: one quad of 4 dims per thread."""
+        return self.threads // (self.head_dim // 4)
+
+    def grid(self, row_tiles: int, batch: int) -> tuple[int, int, int]:
+        """(Hkv x row tiles, CTAs per row tile, batch): the attention grid's x and z."""
+        return (row_tiles, self.rows // self.rows_per_cta, batch)
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return (f"llfd::multi_combine<{self.head_dim}, {self.rows}, {self.tokens}, "
+                f"{support.CXX_DTYPES[self.dtype]}>",)
+
+    def compile(self, arch: str) -> CompiledProgram:
+        return compile_cached(self.source, CompileOptions(arch=arch), self.kernel_names)
+
+
+def shipped_variants(num_warps: Sequence[int] = ()) -> Iterator[MultiVariant | CombineVariant]:
+    """Every program a MultiPlan can pick (``num_warps``: the CLI's family interface; one
+    block size here): the attention variants, then the merges their shapes need."""
+    attention = list(_attention_variants())
+    yield from attention
+    yield from dict.fromkeys(CombineVariant.of(variant) for variant in attention)
+
+
+def _attention_variants() -> Iterator[MultiVariant]:
     for dim, dtype, paged in itertools.product(support.HEAD_DIMS, support.DTYPES,
                                                (False, True)):
         for mode in support.SCALE_MODES:
