@@ -2,7 +2,6 @@
 prefill, speculative verification). ``plan()`` does the host work; ``run()`` only launches."""
 from __future__ import annotations
 
-import ctypes
 import weakref
 from typing import Any
 
@@ -20,6 +19,7 @@ from .bind import MultiBinder, host_queries
 from .params import MultiParams
 from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_ksplit, choose_merge,
                       choose_splits, choose_wg_rows)
+from .prepared import PreparedRun
 from .variants import WG_ROWS, CombineVariant, MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
@@ -317,25 +317,3 @@ class MultiPlan(OnCache, CreatedFromOptions):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-class PreparedRun:
-    """A validated call of a MultiPlan: ``launch(stream)`` issues it, valid until the plan is
-    planned again or closed."""
-
-    __slots__ = ("_plan", "_params", "_rows", "_generation")
-
-    def __init__(self, plan: MultiPlan, params: MultiParams, rows: bool) -> None:
-        self._plan, self._params, self._rows = plan, params, rows
-        self._generation = plan._generation
-
-    def launch(self, stream: StreamLike) -> None:
-        plan = self._plan
-        plan._require_open()
-        if self._generation != plan._generation:
-            raise RuntimeError("PreparedRun: the plan was planned again; prepare the call anew")
-        ctypes.memmove(ctypes.addressof(plan._params), ctypes.addressof(self._params),
-                       ctypes.sizeof(MultiParams))
-        if self._rows:
-            plan._launch.launch(stream)  # type: ignore[union-attr]
-            if plan._combine is not None:
-                plan._combine.launch(stream)
