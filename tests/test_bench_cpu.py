@@ -178,6 +178,13 @@ def test_page_slot_views_read_back_the_pools(layout, page, itemsize):
     N, H, D = 5, 8, 64
     slot = PageSlot(layout, page, H, D, itemsize)
     assert slot.nbytes % 128 == 0 and slot.nbytes >= 2 * page * H * (D + itemsize)
+    if itemsize == 4:  # docs/contract.md's table ("One slot per page")
+        hnd = layout == "hnd"
+        assert slot.offsets() == {"k": 0, "v": page * H * D, "k_scale": 2 * page * H * D,
+                                  "v_scale": 2 * page * H * D + (4 * page if hnd else 4)}
+        assert slot.row_strides == (slot.nbytes, page * D if hnd else H * D, D, 1)
+        assert slot.scale_strides == ((slot.nbytes, 8 * page, 4) if hnd
+                                      else (slot.nbytes, 8 * H, 8))
     rng = np.random.default_rng(page)
     shape = (N, page, H) if layout == "nhd" else (N, H, page)
     pools = {n: rng.integers(-128, 128, shape + (D,), dtype=np.int8) for n in ("k", "v")}
