@@ -42,12 +42,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float* lses = p.partial_lse + base * ROWS + local;  // split s at s * ROWS
   const float4* parts = reinterpret_cast<const float4*>(p.partial_out) +
                         (base * ROWS + local) * kQuads + quad;  // split s at s * ROWS * kQuads
-  // Up to kS splits per round, every load of a round in flight at once: the LSEs' maximum in
-  // one round below 17 splits, then the weighted sum in one round per 8 (a loop of dependent
-  // loads instead took one L2 round trip per split: 5 us more at 32 splits).
+  // Up to kS splits per round, every load of a round in flight at once (a loop of dependent
+  // loads instead took one L2 round trip per split: 5 us more at 32 splits). Up to kS splits:
+  // one round, the LSEs' maximum taken from its own loads; more: the maximum first, in rounds
+  // of kMaxRound, then the weighted sum in rounds of kS.
   constexpr int kS = 8, kMaxRound = 16;
   float best = kNegInf;
-  for (int s0 = 0; s0 < active; s0 += kMaxRound) {
+  for (int s0 = 0; active > kS && s0 < active; s0 += kMaxRound) {
     float w[kMaxRound];
 #pragma unroll
     for (int a = 0; a < kMaxRound; ++a)
@@ -67,6 +68,9 @@ __global__ void __launch_bounds__(kCombineThreads)
       v[a] = live ? __ldcg(parts + static_cast<int64_t>(s0 + a) * ROWS * kQuads)
                   : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    if (active <= kS)
+#pragma unroll
+      for (int a = 0; a < kS; ++a) best = fmaxf(best, w[a]);
 #pragma unroll
     for (int a = 0; a < kS; ++a) {
       if (s0 + a >= active) continue;
