@@ -371,3 +371,15 @@ def test_page_orders_are_permutations_with_their_locality(order):
         assert not np.array_equal(ids, np.arange(ids.size))
     with pytest.raises(ValueError, match="page order: expected one of"):
         page_ids("sorted", 4, 16384, rng)
+
+
+def test_page_slots_need_pages_and_token_scales():
+    from benchlib.pages import PageSlot
+    from benchlib.workloads import Workload
+    with pytest.raises(ValueError, match=r"^PageSlot layout: expected 'nhd' or 'hnd', got 'bnsh'$"):
+        PageSlot("bnsh", 16, 8, 128, 4)
+    for work in (Workload(2, 64, kv_layout="hnd", page_size=16, scale_mode="head",
+                          page_slot=True),
+                 Workload(2, 64, page_slot=True)):
+        with pytest.raises(ValueError, match=r"^page_slot: needs pages and per-token scales, "):
+            work.slot()

@@ -104,8 +104,9 @@ def main(argv=None) -> int:
         for (name, options), splits in itertools.product(kernels.items(), (None, 1, 2, 3, 4, 8)):
             if name.startswith("planner") and splits is not None:
                 continue
-            if (options.get("cluster") or "combine" in options) and splits == 1:
-                continue  # nothing to merge
+            if (options.get("cluster") and splits in (None, 1)) or (
+                    "combine" in options and splits == 1):
+                continue  # nothing to merge (a cluster of the planned splits may not exist)
             plan = MultiPlan.create(hq, hkv, D, max_batch=batch, max_seq_len=seq).plan(
                 indptr_host, [seq] * batch, causal=False, num_splits=splits, **options)
             o_multi.fill_(float("nan"))

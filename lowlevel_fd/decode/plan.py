@@ -150,8 +150,10 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._route.planned(lengths if routed else None, append)
         self._binder.planned(batch, longest)
         self._generation += 1
+        described = self._route.describe()
+        launches = described["launches"] if routed else 1 + (self._combine is not None)
         self._description = {
-            "backend": "multi" if routed else "decode", "multi": self._route.describe(),
+            "backend": "multi" if routed else "decode", "multi": described,
             "batch": batch, "grid": grid, "block": variant.threads,
             "group_size": self.group_size, "cta_heads": self.cta_heads,
             "head_chunks": self.head_chunks, "table_window": self._table_window,
@@ -160,10 +162,8 @@ class DecodePlan(OnCache, CreatedFromOptions):
             "num_warps": variant.num_warps, "stages": variant.stages,
             "fused_merge": config.fused_merge, "cluster": config.cluster,
             "programmatic": config.programmatic and hopper,
-            "launches": (self._route.describe()["launches"] if routed
-                         else 1 + (self._combine is not None)),
-            "append_launches": (1 + self._route.describe()["launches"] if routed
-                                else 1 + (self._combine is not None)),
+            "launches": launches,
+            "append_launches": launches + int(routed),  # routed: the append kernel first
             "registers": split.num_registers, "local_bytes": split.local_bytes,
             "shared_bytes": split.static_shared_bytes + shared,
             "ctas_per_sm": ctas_per_sm, "kernel": variant.split_kernel,

@@ -130,17 +130,18 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
-        # they launch programmatically, the launch overlapping that kernel's tail.
+        # (Hopper, where clusters can merge the splits too) they launch programmatically, the
+        # launch overlapping that kernel's tail.
         programmatic = self.device.compute_capability >= (9, 0)
         clustered = choose_cluster(
-            False if combine else cluster, "warpgroup" if use_wgmma else "mma.sync", self.device.arch,
-            self.device.compute_capability >= (9, 0), splits, slots * splits,
+            False if combine else cluster, "warpgroup" if use_wgmma else "mma.sync",
+            self.device.arch, programmatic, splits, slots * splits,
             self.device.sm_count * ctas_per_sm,
             lambda: kernel.max_active_clusters(LaunchConfig(self._grid, threads, shared,
                                                             cluster=(1, splits, 1))))
         merge = choose_merge(combine, clustered, splits)
-        self._ensure_workspace(slots * splits * rows if splits > 1 and not clustered else 0,
-                               slots)
+        partials = merge in ("kernel", "last split")  # the cluster keeps them in shared memory
+        self._ensure_workspace(slots * splits * rows if partials else 0, slots)
         p = self._params
         ws = self._workspace
         p.partial_out, p.partial_lse = ws["partial_out"].ptr, ws["partial_lse"].ptr
