@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import sys
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ import numpy as np
 from benchlib.kernels import bench_kernel, fill_random
 from benchlib.pages import PAGE_ORDERS, page_ids
 from benchlib.stats import summarize
+from benchlib.vmm import mapped_empty
 from benchlib.workloads import Workload, parse_shapes
 
 from lowlevel_fd.core.binding import layout_strides, scale_strides
@@ -40,7 +42,7 @@ class GatherParams(ctypes.Structure):  # bench.cu's GatherParams, field for fiel
                     "batch_stride", "head_stride", "token_stride", "scale_batch_stride",
                     "scale_head_stride", "scale_token_stride")]
                 + [(name, ctypes.c_int32) for name in (
-                    "seq_len", "splits", "page_shift", "pages_per_seq")]
+                    "seq_len", "splits", "page_shift", "pages_per_seq", "sync_every")]
                 + [("sink", ctypes.c_uint64)])
 
 
@@ -82,6 +84,21 @@ def strides(layout: str, seq_len: int, page: int) -> tuple[tuple[int, int, int],
     return rows, tuple(4 * s for s in scales)
 
 
+def allocate(alloc: str, size: int, dtype, device, closers: list):
+    """A 1-D pool of ``size`` elements, allocated as --alloc says; what frees it goes to
+    ``closers``."""
+    from lowlevel_fd.driver import DeviceArray
+    if alloc == "malloc":
+        array = DeviceArray.empty(size, dtype, device)
+        closers.append(array.close)
+        return array
+    align, _, chunk = alloc.removeprefix("vmm:").partition("/")
+    array, allocation = mapped_empty(size, dtype, device, align=int(align) * MIB,
+                                     chunk=int(chunk) * MIB)
+    closers.append(allocation.close)
+    return array
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="64,8192;32,4096;128,2048", help="'B,S;B,S;...'")
@@ -94,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                              "the same allocation, pages padded to 128 bytes) and/or slot (K "
                              "and V rows and their scales in one slot per page)")
     parser.add_argument("--splits", type=int, default=8, help="splits per sequence")
+    parser.add_argument("--heads-together", default="off",
+                        help="comma list: off (one CTA per KV head, no cluster), cN (N KV "
+                             "heads of a split launched as one cluster), cN/k (and meeting "
+                             "at a cluster barrier every k steps of 128 tokens)")
+    parser.add_argument("--alloc", default="malloc",
+                        help="comma list of the pools' allocations: malloc (cuMemAlloc) or "
+                             "vmm:A/C (cuMemMap: virtual range aligned to A MiB, physical "
+                             "chunks of C MiB)")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -105,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     kernel.allow_dynamic_shared(shared)
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
-    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>10} "
-          f"{'us':>8} {'p20':>8} {'p80':>8} {'ratio':>6}", flush=True)
-    for batch, seq_len in parse_shapes(args.shapes):
+    print(f"{'alloc':>9} {'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>10} "
+          f"{'heads':>4} {'us':>8} {'p20':>8} {'p80':>8} {'ratio':>6}", flush=True)
+    for (batch, seq_len), alloc in itertools.product(parse_shapes(args.shapes),
+                                                     args.alloc.split(",")):
         tokens = batch * seq_len
         if 2 * tokens * H * D < MIN_BYTES or seq_len % (16 * WARPS * args.splits):
             print(f"skip B={batch} S={seq_len}: under 200 MiB of K and V, or S not a multiple "
@@ -117,14 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         size = max([tokens * H * D] + [(tokens // int(page)) * place_bytes(int(page))
                                        for page in args.pages.split(",")
                                        for place_bytes in (page_bytes, slot_bytes)])
-        k, v = (DeviceArray.empty(size, np.int8, device) for _ in range(2))
-        ks, vs = (DeviceArray.empty(tokens * H, np.float32, device) for _ in range(2))
+        closers: list = []
+        k, v = (allocate(alloc, size, np.int8, device, closers) for _ in range(2))
+        ks, vs = (allocate(alloc, tokens * H, np.float32, device, closers) for _ in range(2))
         for seed, array in enumerate((k, v, ks, vs)):
             fill_random(array, seed + 1, stream)
         variants = [("bnsh", 0, "-", "pool"), ("bsnh", 0, "-", "pool")] + [
             (layout, int(page), order, place) for layout in ("hnd", "nhd")
             for page in args.pages.split(",") for order in args.orders.split(",")
             for place in args.scale_place.split(",")]
+        together = args.heads_together.split(",")
         base: dict[bool, float] = {}
         for layout, page, order, place in variants:
             rows, scales = strides(layout, seq_len, page)
@@ -142,26 +170,30 @@ def main(argv: list[str] | None = None) -> int:
             if page:  # 2 MiB-local orders count the pool's own page stride
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales in (False, True) if place != "page" else (True,):
+            for with_scales, mode in ((w, m) for w in ((False, True) if place != "page"
+                                                        else (True,)) for m in together):
                 v_rows = k.ptr + page * H * D if place == "slot" else v.ptr
                 p = GatherParams(k.ptr, v_rows, k_scale if with_scales else 0,
                                  v_scale if with_scales else 0, table.ptr if table else 0,
                                  *rows, *scales, seq_len, args.splits,
                                  page.bit_length() - 1 if page else 0,
-                                 seq_len // page if page else 0, sink.ptr)
+                                 seq_len // page if page else 0,
+                                 int(mode.partition("/")[2] or 0), sink.ptr)
+                cluster = None if mode == "off" else (int(mode[1:].partition("/")[0]), 1, 1)
                 launch = kernel.prepare(LaunchConfig((H, args.splits, batch), 32 * WARPS,
-                                                     shared), p)
+                                                     shared, cluster=cluster), p)
                 stats = summarize([1e3 * ms for ms in time_graph(
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 base.setdefault(with_scales, stats.median)
-                print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
-                      f"{place + (' fp32' if with_scales else ' none'):>10} {stats.median:>8.2f} "
+                print(f"{alloc:>9} {batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
+                      f"{place + (' fp32' if with_scales else ' none'):>10} {mode:>4} "
+                      f"{stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} "
                       f"{stats.median / base[with_scales]:>6.3f}", flush=True)
             if table is not None:
                 table.close()
-        for array in (k, v, ks, vs):
-            array.close()
+        for close in closers:
+            close()
     sink.close()
     stream.close()
     return 0

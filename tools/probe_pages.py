@@ -31,13 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="0", help="pipeline stages (0: the planner's)")
     parser.add_argument("--tiles", default="0", help="16-token tiles per warp step (0: the "
                                                      "planner's)")
+    parser.add_argument("--splits", default="0", help="KV splits per sequence (0: the "
+                                                      "planner's)")
+    parser.add_argument("--cluster", default="planner",
+                        help="comma list: planner, on (splits merged in a cluster), off "
+                             "(merged through global memory)")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream
     device, stream = Device(0), Stream()
-    stages = [(int(s), int(t)) for s in args.stages.split(",") for t in args.tiles.split(",")]
+    stages = [(int(s), int(t), int(n), c) for s in args.stages.split(",")
+              for t in args.tiles.split(",") for n in args.splits.split(",")
+              for c in args.cluster.split(",")]
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'store':>5} {'st/t':>6} "
-          f"{'us':>8} {'ratio':>6}")
+          f"{'splits':>7} {'us':>8} {'ratio':>6}")
     for batch, seq_len in parse_shapes(args.shapes):
         variants = [Workload(batch, seq_len, kv_layout=layout)
                     for layout in args.contiguous.split(",")] + [
@@ -50,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
             bench = WorkloadBench(work, layer_count(work.bytes_per_layer,
                                                     work.footprint_per_layer), device, stream)
             try:
-                for stage, tiles in stages:
+                for stage, tiles, splits, cluster in stages:
                     bench.replan()
-                    if stage or tiles:
-                        forced = {"stages": stage} if stage else {}
-                        forced.update({"tiles": tiles} if tiles else {})
+                    forced = {"stages": stage} if stage else {}
+                    forced.update({"tiles": tiles} if tiles else {})
+                    forced.update({"num_splits": splits} if splits else {})
+                    forced.update({"cluster": cluster == "on"} if cluster != "planner" else {})
+                    if forced:
                         try:
                             bench.replan(dataclasses.replace(bench.planned_config(), **forced))
                         except ValueError as exc:  # its shared memory does not fit
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{work.page_order if work.page_size else '-':>8} "
                           f"{'slot' if work.page_slot else ('pools' if work.page_size else '-'):>5} "
                           f"{bench.plan.describe()['stages']:>3}/t{bench.plan.describe()['tiles']}"
+                          f" {bench.plan.describe()['num_splits']:>4}"
+                          f"{'c' if bench.plan.describe()['cluster'] else 'g':>3}"
                           f" {us:>8.2f} "
                           f"{us / base:>6.3f}", flush=True)
             finally:

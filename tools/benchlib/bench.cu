@@ -95,6 +95,7 @@ struct GatherParams {
   long long batch_stride, head_stride, token_stride;  // bytes
   long long scale_batch_stride, scale_head_stride, scale_token_stride;  // bytes
   int seq_len, splits, page_shift, pages_per_seq;
+  int sync_every;  // > 0: launched in clusters along x, the CTAs meet every sync_every steps
   unsigned long long* sink;
 };
 
@@ -136,7 +137,8 @@ extern "C" __global__ void __launch_bounds__(256) gather_tiles(const GatherParam
     }
   };
   uint32_t acc = 0;
-  int t0 = start + 16 * warp, stage = 0;
+  int t0 = start + 16 * warp, stage = 0, step = 0;
+  bool arrived = false;  // a cluster barrier phase open: wait before arriving again
   if (t0 < end) issue(0, t0);
   llfd::cp_async_commit();
   for (; t0 < end; t0 += 16 * 8) {
@@ -154,6 +156,12 @@ extern "C" __global__ void __launch_bounds__(256) gather_tiles(const GatherParam
     }
     __syncwarp();
     stage ^= 1;
+    if (p.sync_every > 0 && ++step % p.sync_every == 0) {  // keep a cluster's heads together
+      if (arrived) llfd::cluster_wait();
+      llfd::cluster_arrive_relaxed();
+      arrived = true;
+    }
   }
+  if (arrived) llfd::cluster_wait();
   if (acc == 0x8badf00du) *p.sink = acc;
 }
