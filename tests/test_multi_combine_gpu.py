@@ -113,6 +113,7 @@ def test_the_merge_choice_and_its_errors(rng):
         assert plan.describe()["merge"] is None and plan.describe()["launches"] == 1
         plan.plan(case.indptr, case.kv_lens, num_splits=4, wgmma=False)
         assert plan.describe()["merge"] == "kernel"  # the default where no cluster merges
+        assert plan._params.combine == 1  # two CTAs per SM: no early launch of the next
         plan.plan(case.indptr, case.kv_lens, num_splits=4, combine=False, cluster=False)
         assert plan.describe()["merge"] == "last split"
         with pytest.raises(TypeError, match=r"^combine: expected a bool, got int 1$"):
@@ -124,3 +125,8 @@ def test_the_merge_choice_and_its_errors(rng):
         if wgmma_available(Device(0).arch, 128):  # combine=True forbids the cluster
             plan.plan(case.indptr, case.kv_lens, num_splits=4, wgmma=True, combine=True)
             assert plan.describe()["merge"] == "kernel" and not plan.describe()["cluster"]
+            # The merge kernel lets the next launch start early only behind a kernel of one
+            # CTA per SM (the 128-row one), not two (64 rows).
+            for rows, combine in ((128, 2), (64, 1)):
+                plan.plan(case.indptr, case.kv_lens, num_splits=4, wg_rows=rows, combine=True)
+                assert plan.describe()["wg_rows"] == rows and plan._params.combine == combine

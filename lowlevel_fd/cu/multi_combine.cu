@@ -20,22 +20,28 @@ __global__ void __launch_bounds__(kCombineThreads)
     multi_combine(const __grid_constant__ MultiParams p) {
   constexpr int kQuads = HEAD_DIM / 4, kRows = kCombineThreads / kQuads;
   static_assert(ROWS % kRows == 0, "a CTA's rows lie in one row tile");
-  // The partials come from the attention kernel. No early launch of the next kernel: its CTAs
-  // would take SM slots beside these, and the next attention grid, placed around them, put
-  // two CTAs on some SMs (mma.sync at B=32 group 32: 24.7-31.2 us from run to run).
-  wait_for_previous_grid();
   const int kvh = blockIdx.x % p.num_kv_heads;
   const int tile = p.max_tiles - 1 - static_cast<int>(blockIdx.x) / p.num_kv_heads;
   const int b = blockIdx.z;
+  // The lengths and query ranges before the wait: they are the attention kernel's inputs,
+  // which it waited for before it let this launch start (its CTAs trigger it after their own
+  // wait, or exit after it). One dependent round trip fewer after the wait (PERF_NOTES v28).
   const SequenceRows sr(p, b, ROWS, false);  // the attention kernel raised its flags
   const int row0 = tile * ROWS, local = blockIdx.y * kRows + threadIdx.x / kQuads;
   const int quad = threadIdx.x % kQuads;
-  if (row0 >= sr.rows || sr.empty(p)) return;
   const int tile_rows = min(ROWS, sr.rows - row0);
-  if (local >= tile_rows) return;
-  int chunk, active;
-  tile_splits<TOKENS>(p, sr.limit(p, row0 + tile_rows - 1), chunk, active);
-  if (active == 1) return;  // the split wrote its rows itself
+  int chunk, active = 1;
+  const bool live = row0 < sr.rows && !sr.empty(p) && local < tile_rows;
+  if (live) tile_splits<TOKENS>(p, sr.limit(p, row0 + tile_rows - 1), chunk, active);
+  // Every CTA waits, so that this grid completes only after the attention grid: the next
+  // kernel's wait covers both.
+  wait_for_previous_grid();
+  // The next kernel may launch now where the attention kernel holds one CTA per SM (2):
+  // its CTAs cannot pile up beside these. Not with two per SM (1): the next grid, placed
+  // around these CTAs, put two on some SMs (mma.sync at B=32 group 32: 24.7-31.2 us from run
+  // to run; PERF_NOTES v26).
+  if (p.combine == 2) allow_next_grid();
+  if (!live || active == 1) return;  // nothing here, or the split wrote its rows itself
 
   const int64_t base = ((static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.max_tiles + tile) *
                        p.num_splits;

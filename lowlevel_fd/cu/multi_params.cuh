@@ -60,7 +60,9 @@ struct MultiParams {
   // appended at seq_lens[b] just before: DecodePlan.append_and_run's lengths).
   int32_t decode_rows;
   // 1: a row tile's splits leave their partial rows for multi_combine (a second launch), which
-  // merges them; 0: the last split to arrive merges them (counters), or the cluster does.
+  // merges them; 2: the same, and multi_combine lets the next kernel launch once its wait
+  // returns (the attention kernel holds one CTA per SM); 0: the last split to arrive merges
+  // them (counters), or the cluster does.
   int32_t combine;
 };
 

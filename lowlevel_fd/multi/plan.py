@@ -150,7 +150,9 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.num_kv_heads, p.group_size = self.num_kv_heads, self.group_size
         p.num_splits, p.min_split_tokens = splits, min_tokens
         p.total_q, p.max_tiles, p.causal = total_q, tiles, int(causal)
-        p.combine = int(merge == "kernel")
+        # 2: the merge kernel lets the next launch start early, where the attention kernel
+        # runs one CTA per SM (multi_combine.cu says why not with more).
+        p.combine = (1 + (ctas_per_sm == 1)) if merge == "kernel" else 0
         self._launch = kernel.prepare(
             LaunchConfig(self._grid, threads, shared, programmatic=programmatic,
                          cluster=(1, splits, 1) if clustered else None), p)
