@@ -63,6 +63,15 @@ VARIANTS = {
     "j_smoothK_eq1.0_v": dict(k=True, v=True, smooth=True, eq=1.0),
     # KVCacheSpec(key_transform="hadamard"): K stored as H RoPE(k), q transformed alike
     "k_hadamardK_v": dict(k=True, v=True, smooth=False, hadamard=True),
+    # An all-integer attention path (PERF_NOTES v29): q quantized per (token, head) row like K,
+    # so that Q K^T runs as an int8 x int8 MMA; and the probabilities of P V as unsigned
+    # 8-bit steps of the row's largest (with V's per-token scales folded in, as the kernels
+    # fold them), so that P V runs as a u8 x s8 MMA. Worst case: steps of the final maximum,
+    # where an online softmax would use the running one.
+    "l_hadamardK_v_q8": dict(k=True, v=True, smooth=False, hadamard=True, q8=True),
+    "m_hadamardK_v_q8_p8": dict(k=True, v=True, smooth=False, hadamard=True, q8=True,
+                                p8=True),
+    "n_kv_q8": dict(k=True, v=True, smooth=False, q8=True),
 }
 
 
@@ -117,11 +126,47 @@ def forward(model: TorchLlama, tokens: torch.Tensor, P: int, var: dict, attn_dty
         qd = qr[:, P:].transpose(1, 2).to(attn_dtype)                     # [B,Hq,n-P,D]
         kd = kh.transpose(1, 2).to(attn_dtype).repeat_interleave(group, 1)  # [B,Hq,n,D]
         vd = vh.transpose(1, 2).to(attn_dtype).repeat_interleave(group, 1)
-        out[:, P:] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask) \
-            .transpose(1, 2).float()
+        if var.get("q8"):
+            qd = quantize_query(qd.float(), var).to(attn_dtype)
+        if var.get("p8"):
+            out[:, P:] = u8_probability_attention(qd, kd, v, mask, group).transpose(1, 2)
+        else:
+            out[:, P:] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask) \
+                .transpose(1, 2).float()
         x = x + out.reshape(b, n, -1).to(model.dtype) @ layer.w_o.t()
         x = x + model._mlp(layer, rms_norm(x, layer.ffn_norm, c.rms_eps))
     return model._logits(x[:, P:n - 1])
+
+
+def quantize_query(q: torch.Tensor, var: dict) -> torch.Tensor:
+    """q [B, Hq, T, D]: per-row INT8 fake quantization, in the basis K is stored in (the
+    Hadamard one with key_transform), mapped back: scores are then Q(q') . Q(k')."""
+    if var.get("hadamard"):
+        h = torch.from_numpy(hadamard(q.shape[-1])).float()
+        return fake_quant(q @ h) @ h
+    return fake_quant(q)
+
+
+def u8_probability_attention(q, k, v, mask, group):
+    """softmax(q k^T / sqrt(D)) V with V int8 per (token, head) and the probabilities, V's
+    token scales folded in relative to their largest, in steps of 1/255 of the row's largest;
+    the normaliser from the unrounded probabilities. q, k [B, Hq, T or N, D] (k as the cache
+    holds it), v [B, N, Hkv, D] fp32 (unquantized). Returns [B, Hq, T, D] fp32."""
+    v = v.float()
+    scale = v.abs().amax(-1, keepdim=True) / 127.0                          # [B, N, Hkv, 1]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    v8 = torch.clamp(torch.round(v / safe), -127, 127)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))                   # [B, Hq, T, N]
+    l = p.sum(-1, keepdim=True)
+    sv = scale[..., 0].transpose(1, 2).repeat_interleave(group, 1)          # [B, Hq, N]
+    ref = sv.amax(-1, keepdim=True)[..., None]                              # [B, Hq, 1, 1]
+    folded = p * (sv[:, :, None, :] / ref)
+    top = folded.amax(-1, keepdim=True).clamp(min=1e-30)
+    folded = torch.round(folded / top * 255.0) / 255.0 * top
+    values = v8.transpose(1, 2).repeat_interleave(group, 1)                 # [B, Hq, N, D]
+    return (folded @ values) * ref / l
 
 
 class FakeQuantSdpa(SdpaAttention):
