@@ -383,3 +383,33 @@ def test_page_slots_need_pages_and_token_scales():
                  Workload(2, 64, page_slot=True)):
         with pytest.raises(ValueError, match=r"^page_slot: needs pages and per-token scales, "):
             work.slot()
+
+
+def test_phase_trace_records_parse_into_per_layer_phases():
+    """tools/phase_trace: the marks' record layout (trace_marks.cuh) and the per-layer spans."""
+    import numpy as np
+    from phase_trace.phases import layer_rows, parse
+
+    def record(kind, block, stamps):
+        head = kind | block[0] << 8 | block[1] << 24 | block[2] << 40
+        return [head] + list(stamps) + [0] * (7 - len(stamps))
+
+    words = []
+    for layer in range(2):
+        base = 100_000 * layer
+        for cta in range(3):  # loader, computing warpgroup, merge kernel of each CTA
+            t0 = base + 10 * cta
+            words.append(record(1, (0, cta, 5), [t0, t0 + 1000, t0 + 2000, t0 + 3000, 9000 + t0]))
+            words.append(record(2, (0, cta, 5), [t0, t0 + 1000, t0 + 3000, t0 + 3100,
+                                                 t0 + 19000, t0 + 20000]))
+            words.append(record(3, (cta, 0, 5), [base + 19000, base + 22000, base + 25000]))
+    kind, block, stamps = parse(np.array(words, dtype=np.uint64))
+    assert kind.tolist() == [1, 2, 3] * 6
+    assert block[5].tolist() == [1, 0, 5] and block[6].tolist() == [0, 2, 5]
+    rows = layer_rows({k: stamps[kind == k] for k in (1, 2, 3)}, layers=2)
+    assert [round(r["first_entry"], 1) for r in rows] == [0.0, 100.0]
+    row = rows[1]
+    assert (row["entry_spread"], row["wait"], row["q"], row["tile0"]) == (0.02, 1.0, 2.0, 0.1)
+    assert (row["loop"], row["store"], row["att_end"]) == (15.9, 1.0, 20.02)
+    assert (row["ld_wait"], row["ld_prime"], row["ld_tile0"]) == (1.0, 1.0, 1.0)
+    assert (row["cb_entry"], row["cb_wait"], row["cb_end"]) == (19.0, 22.0, 25.0)
