@@ -413,3 +413,11 @@ def test_phase_trace_records_parse_into_per_layer_phases():
     assert (row["loop"], row["store"], row["att_end"]) == (15.9, 1.0, 20.02)
     assert (row["ld_wait"], row["ld_prime"], row["ld_tile0"]) == (1.0, 1.0, 1.0)
     assert (row["cb_entry"], row["cb_wait"], row["cb_end"]) == (19.0, 22.0, 25.0)
+
+
+def test_probe_gather_heads_together_modes():
+    from probe_gather import heads_together
+
+    assert heads_together("off") == (None, 0)
+    assert heads_together("c8") == ((8, 1, 1), 0)
+    assert heads_together("c2/4") == ((2, 1, 1), 4)

@@ -84,19 +84,24 @@ def strides(layout: str, seq_len: int, page: int) -> tuple[tuple[int, int, int],
     return rows, tuple(4 * s for s in scales)
 
 
-def allocate(alloc: str, size: int, dtype, device, closers: list):
-    """A 1-D pool of ``size`` elements, allocated as --alloc says; what frees it goes to
-    ``closers``."""
+def allocate(alloc: str, size: int, dtype, device):
+    """A 1-D pool of ``size`` elements allocated as --alloc says, and what frees it."""
     from lowlevel_fd.driver import DeviceArray
     if alloc == "malloc":
         array = DeviceArray.empty(size, dtype, device)
-        closers.append(array.close)
-        return array
+        return array, array.close
     align, _, chunk = alloc.removeprefix("vmm:").partition("/")
     array, allocation = mapped_empty(size, dtype, device, align=int(align) * MIB,
                                      chunk=int(chunk) * MIB)
-    closers.append(allocation.close)
-    return array
+    return array, allocation.close
+
+
+def heads_together(mode: str) -> tuple[tuple[int, int, int] | None, int]:
+    """--heads-together's off / cN / cN/k -> (the launch's cluster shape, sync_every)."""
+    if mode == "off":
+        return None, 0
+    heads, _, every = mode.removeprefix("c").partition("/")
+    return (int(heads), 1, 1), int(every or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         size = max([tokens * H * D] + [(tokens // int(page)) * place_bytes(int(page))
                                        for page in args.pages.split(",")
                                        for place_bytes in (page_bytes, slot_bytes)])
-        closers: list = []
-        k, v = (allocate(alloc, size, np.int8, device, closers) for _ in range(2))
-        ks, vs = (allocate(alloc, tokens * H, np.float32, device, closers) for _ in range(2))
+        pools = [allocate(alloc, n, dtype, device)
+                 for n, dtype in ((size, np.int8),) * 2 + ((tokens * H, np.float32),) * 2]
+        k, v, ks, vs = (array for array, _ in pools)
         for seed, array in enumerate((k, v, ks, vs)):
             fill_random(array, seed + 1, stream)
         variants = [("bnsh", 0, "-", "pool"), ("bsnh", 0, "-", "pool")] + [
@@ -170,16 +175,16 @@ def main(argv: list[str] | None = None) -> int:
             if page:  # 2 MiB-local orders count the pool's own page stride
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales, mode in ((w, m) for w in ((False, True) if place != "page"
-                                                        else (True,)) for m in together):
+            for with_scales, mode in itertools.product(
+                    (False, True) if place != "page" else (True,), together):
+                cluster, sync_every = heads_together(mode)
                 v_rows = k.ptr + page * H * D if place == "slot" else v.ptr
                 p = GatherParams(k.ptr, v_rows, k_scale if with_scales else 0,
                                  v_scale if with_scales else 0, table.ptr if table else 0,
                                  *rows, *scales, seq_len, args.splits,
                                  page.bit_length() - 1 if page else 0,
                                  seq_len // page if page else 0,
-                                 int(mode.partition("/")[2] or 0), sink.ptr)
-                cluster = None if mode == "off" else (int(mode[1:].partition("/")[0]), 1, 1)
+                                 sync_every, sink.ptr)
                 launch = kernel.prepare(LaunchConfig((H, args.splits, batch), 32 * WARPS,
                                                      shared, cluster=cluster), p)
                 stats = summarize([1e3 * ms for ms in time_graph(
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{stats.median / base[with_scales]:>6.3f}", flush=True)
             if table is not None:
                 table.close()
-        for close in closers:
+        for _, close in pools:
             close()
     sink.close()
     stream.close()

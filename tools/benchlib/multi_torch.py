@@ -43,19 +43,21 @@ def time_graph(body, *, iters: int, warmup: int, per: int = 1) -> dict:
 
 
 class Cache:
-    """An INT8 bnsh cache [B, Hkv, S, D] with per-token fp32 scales [B, Hkv, S]."""
+    """An INT8 bnsh cache [B, Hkv, S, D] with per-token fp32 scales [B, Hkv, S] (Hkv and D:
+    the prefill benchmark's unless given)."""
 
-    def __init__(self, batch: int, tokens: int, *, seed: int) -> None:
+    def __init__(self, batch: int, tokens: int, *, seed: int, num_kv_heads: int = HKV,
+                 head_dim: int = D) -> None:
         g = torch.Generator(device="cuda").manual_seed(seed)
-        shape = (batch, HKV, tokens, D)
+        shape = (batch, num_kv_heads, tokens, head_dim)
         self.k = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda", generator=g)
         self.v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda", generator=g)
-        self.ks = torch.rand((batch, HKV, tokens), device="cuda", generator=g) * 0.008 + 0.004
-        self.vs = torch.rand((batch, HKV, tokens), device="cuda", generator=g) * 0.008 + 0.004
+        self.ks = torch.rand(shape[:3], device="cuda", generator=g) * 0.008 + 0.004
+        self.vs = torch.rand(shape[:3], device="cuda", generator=g) * 0.008 + 0.004
 
     def sdpa_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache dequantized to fp16 and repeated to Hq heads: SDPA's K and V."""
-        group = HQ // HKV
+        group = HQ // self.k.shape[1]
         k = (self.k.float() * self.ks[..., None]).half().repeat_interleave(group, dim=1)
         v = (self.v.float() * self.vs[..., None]).half().repeat_interleave(group, dim=1)
         return k, v

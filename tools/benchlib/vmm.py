@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from lowlevel_fd.driver import Device, DeviceArray
-from lowlevel_fd.driver._api import cu, raw
+from cuda.bindings import driver as raw
+
+from lowlevel_fd.driver import Device, DeviceArray, cu
 
 MIB = 2**20
 

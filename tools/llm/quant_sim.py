@@ -37,13 +37,20 @@ from llm.torch_model import TorchLlama, rms_norm  # noqa: E402
 from llm.weights import load_weights, open_gguf  # noqa: E402
 
 
-def fake_quant(x: torch.Tensor, scale_dtype=torch.float32) -> torch.Tensor:
-    """x [..., D]: per-row (token, head) symmetric INT8 fake quantization in fp32."""
+def quantize_rows(x: torch.Tensor, scale_dtype=torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D]: per-row (token, head) symmetric INT8: the integers (as fp32) and the row
+    scales [..., 1]."""
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True) / 127.0
     scale = scale.to(scale_dtype).float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.clamp(torch.round(x / safe), -127, 127)   # torch.round: half to even
+    return torch.clamp(torch.round(x / safe), -127, 127), scale  # torch.round: half to even
+
+
+def fake_quant(x: torch.Tensor, scale_dtype=torch.float32) -> torch.Tensor:
+    """x [..., D]: per-row (token, head) symmetric INT8 fake quantization in fp32."""
+    q, scale = quantize_rows(x, scale_dtype)
     return q * scale
 
 
@@ -152,10 +159,7 @@ def u8_probability_attention(q, k, v, mask, group):
     token scales folded in relative to their largest, in steps of 1/255 of the row's largest;
     the normaliser from the unrounded probabilities. q, k [B, Hq, T or N, D] (k as the cache
     holds it), v [B, N, Hkv, D] fp32 (unquantized). Returns [B, Hq, T, D] fp32."""
-    v = v.float()
-    scale = v.abs().amax(-1, keepdim=True) / 127.0                          # [B, N, Hkv, 1]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    v8 = torch.clamp(torch.round(v / safe), -127, 127)
+    v8, scale = quantize_rows(v)                                            # scale [B, N, Hkv, 1]
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.exp(scores - scores.amax(-1, keepdim=True))                   # [B, Hq, T, N]

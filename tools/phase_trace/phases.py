@@ -70,23 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096)
     args = parser.parse_args(argv)
     import torch
+    from benchlib.multi import layer_count
+    from benchlib.multi_torch import Cache
 
     from lowlevel_fd import MultiPlan
     from lowlevel_fd.core import loader
-    from lowlevel_fd.driver._api import cu
+    from lowlevel_fd.driver import cu
 
     batch, (hq, hkv), d, seq = args.batch, map(int, args.heads.split(",")), args.head_dim, args.seq
-    kv = batch * hkv * seq * (2 * d + 8)
-    layers = max(2, min(64, -(-200 * 2**20 // kv)))
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def int8():
-        return torch.randint(-127, 128, (batch, hkv, seq, d), dtype=torch.int8, device="cuda",
-                             generator=g)
-
-    def scales():
-        return torch.rand((batch, hkv, seq), device="cuda", generator=g) * 0.008 + 0.004
-    caches = [(int8(), int8(), scales(), scales()) for _ in range(layers)]
+    layers = layer_count(batch * hkv * seq * (2 * d + 8))  # int8 K and V, fp32 scales
+    caches = [Cache(batch, seq, seed=i, num_kv_heads=hkv, head_dim=d) for i in range(layers)]
+    caches = [(c.k, c.v, c.ks, c.vs) for c in caches]
     lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
     q = torch.randn((batch, hq, d), dtype=torch.float16, device="cuda")
     out = torch.empty_like(q)
