@@ -13,8 +13,7 @@ fused append across page edges, prompts in chunks, pools that are views (K and V
 allocation, scales inline after each row). Multi-token attention (tests/test_multi_gpu.py's
 cases): every head dim, contiguous and paged, ragged with empty rows, KV splits and their
 merge, group sizes 5 and 71, RoPE of q, graph replay, the device guards, bad page ids; decode
-rows (DecodePlan's route): empty sequences on every multi-token kernel, paged; the token-major
-kernel (sm_90): tile edges, splits, pages with bad ids, the rescaling path.
+rows (DecodePlan's route): empty sequences on every multi-token kernel, paged.
 
 Every result is checked against the oracle, so a silent failure is caught too. Outputs are
 NaN-poisoned and caches fully uploaded first, so initcheck only sees initialized memory.
@@ -433,31 +432,6 @@ case("decode rows: DecodePlan routed append_and_run, positions outside the cache
 case("decode rows: DecodePlan routed over pages (hnd, page 1)",
      lambda rng, stream: route.test_routed_decode_over_pages_matches_the_oracle(
          rng, stream, "hnd", 1, "token", "float32"))
-import test_multi_tm_gpu as token_major  # noqa: E402
-
-
-def on_token_major(run: Callable[[np.random.Generator, Stream], None]
-                   ) -> Callable[[np.random.Generator, Stream], None]:
-    """A token-major case, skipped (and said so) where the kernel does not run."""
-    def guarded(rng: np.random.Generator, stream: Stream) -> None:
-        from lowlevel_fd.multi.variants import token_major_available
-        if not token_major_available(Device(0).arch, 128):
-            print("     (the token-major kernel needs sm_90: skipped)")
-            return
-        run(rng, stream)
-    return guarded
-
-
-case("token-major: groups 33 and 64, tile edges, empty rows, 3 splits, early reads",
-     on_token_major(lambda rng, stream: (
-         token_major.test_token_major_matches_the_decode_oracle(rng, stream, 33, 1, 3),
-         token_major.test_token_major_matches_the_decode_oracle(rng, stream, 64, 3, None))))
-case("token-major: pages (nhd 16, fp16 scales) with bad ids, growing scales",
-     on_token_major(lambda rng, stream: (
-         token_major.test_token_major_over_pages_and_bad_page_ids(
-             rng, stream, "nhd", 16, "token", "float16"),
-         token_major.test_scores_and_v_scales_that_grow_along_the_sequence(
-             rng, stream, "float32"))))
 import test_tree_mask_gpu as tree  # noqa: E402
 
 case("extend tree mask, arbitrary bits, paged nhd page 1, d256",

@@ -83,10 +83,7 @@ def test_the_merge_kernel_over_dtypes_decode_rows_and_no_lse(rng, stream, dtype,
     case = MultiCase([1] * 6, [4096, 1, 700, 3000, 64, 2049], 64, 1, 128, dtype=dtype,
                      scale_mode="token", scale_dtype="float16").fill(rng)
     case.upload(rng)
-    # token_major=False: the kernel both merges serve (the token-major kernel has no last-split
-    # merge)
-    run_both(case, stream, causal=False, with_lse=with_lse, decode_rows=True, num_splits=4,
-             token_major=False)
+    run_both(case, stream, causal=False, with_lse=with_lse, decode_rows=True, num_splits=4)
 
 
 @pytest.mark.parametrize("layout, page_size", [("hnd", 16), ("nhd", 1)])

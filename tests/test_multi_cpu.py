@@ -18,9 +18,8 @@ from lowlevel_fd.multi.bind import MultiBinder
 from lowlevel_fd.multi.params import MultiParams
 from lowlevel_fd.multi.bind import host_queries
 from lowlevel_fd.multi.planner import (MAX_CLUSTER_SPLITS, MAX_SPLITS, choose_cluster,
-                                       choose_ksplit, choose_merge, choose_token_major,
-                                       cluster_merge_fits)
-from lowlevel_fd.multi.variants import CombineVariant, ksplits, tile_tokens
+                                       choose_ksplit, choose_merge, cluster_merge_fits)
+from lowlevel_fd.multi.variants import ksplits, tile_tokens
 
 CU = Path(__file__).resolve().parents[1] / "lowlevel_fd" / "cu"
 
@@ -166,59 +165,6 @@ def test_forced_warpgroup_kernels(wgmma, wg_rows, rows, expected):
     """wgmma=True picks the smaller CTA that holds a sequence's rows; wg_rows picks one."""
     plan = MultiPlan.create(32, 8, 128, max_batch=2, max_seq_len=64, device=device_of("sm_90"))
     assert plan._wgmma_choice(wgmma, wg_rows, None, False, rows) == expected
-
-
-@pytest.mark.parametrize("arch, head_dim, hq, options, message", [
-    ("sm_80", 128, 64, {}, r"needs an sm_90 device and head_dim 128, got sm_80 and head_dim 128"),
-    ("sm_90", 64, 64, {}, r"needs an sm_90 device and head_dim 128, got sm_90 and head_dim 64"),
-    ("sm_90", 128, 65, {}, r"takes up to 64 query heads per KV head, got 65"),
-    ("sm_90", 128, 64, {"wgmma": False}, r"takes none of wgmma"),
-    ("sm_90", 128, 64, {"ksplit": 2, "tree": True, "cluster": True},
-     r"takes none of ksplit > 1, tree=True, cluster=True"),
-])
-def test_token_major_errors_name_what_stands_in_its_way(arch, head_dim, hq, options, message):
-    plan = MultiPlan.create(hq, 1, head_dim, max_batch=2, max_seq_len=64,
-                            device=device_of(arch))
-    with pytest.raises(ValueError, match=rf"^token_major: the token-major kernel {message}$"):
-        plan.plan(None, [5, 0], token_major=True, **options)
-    with pytest.raises(ValueError, match=r"^token_major: the token-major kernel runs decode "
-                                         r"rows \(qo_indptr=None\), got a qo_indptr$"):
-        plan.plan([0, 1, 2], [5, 1], token_major=True)
-    with pytest.raises(TypeError, match=r"^token_major: expected a bool, got str 'yes'$"):
-        plan.plan(None, [5, 0], token_major="yes")
-
-
-@pytest.mark.parametrize("available, decode_rows, group, others, expected", [
-    (True, True, 64, {}, True), (True, True, 17, {}, True), (True, True, 33, {}, True),
-    (True, True, 16, {}, False),  # the warpgroup / mma.sync kernels' (PERF_NOTES v30)
-    (True, True, 65, {}, False), (True, False, 64, {}, False), (False, True, 64, {}, False),
-    (True, True, 64, {"wgmma": True}, False), (True, True, 64, {"combine=False": True}, False),
-    (True, True, 64, {"combine=False": False}, True),
-])
-def test_the_planner_picks_the_token_major_kernel_for_multi_query_decode_rows(
-        available, decode_rows, group, others, expected):
-    assert choose_token_major(None, available=available, decode_rows=decode_rows,
-                              group_size=group, where="", others=others) is expected
-    assert choose_token_major(False, available=available, decode_rows=decode_rows,
-                              group_size=group, where="", others=others) is False
-
-
-def test_token_major_variants_build_for_hopper_only():
-    variant = MultiVariant(128, token_major=True)
-    assert variant.builds_for("sm_90") and not variant.builds_for("sm_80")
-    assert variant.target_arch("sm_90") == "sm_90a" and variant.source == "multi_tm.cu"
-    assert (variant.rows_per_cta, variant.threads, variant.tile_tokens) == (64, 256, 64)
-    # TmLayout: fp16 Q (64 heads), two teams' P^T and four 16896-byte stages each, the
-    # reduction rows and row scales, the merge (row sums, 128 threads' 64 floats, offsets),
-    # 1 KB of alignment slack
-    assert variant.shared_bytes == (16384 + 2 * 8192 + 8 * 16896 + 2048 + 32 + 256
-                                    + 2048 + 32768 + 256 + 1024)
-    assert CombineVariant.of(variant) == CombineVariant.of(MultiVariant(128, wgmma=True,
-                                                                        wg_rows=64))
-    for bad in ({"head_dim": 64}, {"ksplit": 2}, {"wgmma": True}):
-        with pytest.raises(ValueError, match=r"^the token-major kernel takes ksplit 1, no "
-                                             r"wgmma flag and head_dim \(128,\)"):
-            MultiVariant(**{"head_dim": 128, "token_major": True, **bad})
 
 
 def test_wgmma_variants_build_for_hopper_only():
@@ -472,19 +418,12 @@ def test_shipped_variants_cover_the_matrix():
     from lowlevel_fd.multi.variants import MultiVariant
     variants = [v for v in shipped_variants() if isinstance(v, MultiVariant)]
     keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit, v.wgmma,
-             v.wg_rows, v.token_major) for v in variants}
+             v.wg_rows) for v in variants}
     # mma.sync: 3 head dims x 2 dtypes x 4 scale configurations x 2 storages x 2 KSPLITs;
-    # wgmma: head_dim 64 and 128 x 2 x 4 x 2, CTAs of 128 and of 64 rows; token-major:
-    # head_dim 128 x 2 x 4 x 2
-    assert len(keys) == len(variants) == (3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2 * 2
-                                          + 2 * 4 * 2)
+    # wgmma: head_dim 64 and 128 x 2 x 4 x 2, CTAs of 128 and of 64 rows
+    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2 * 2
     for v in variants:
         assert v.shared_bytes <= 227 * 1024
-        if v.token_major:
-            assert v.head_dim == 128 and v.source == "multi_tm.cu"
-            assert re.fullmatch(r"llfd::multi_attend_tm<128, \d, llfd::(f16|bf16), "
-                                r"(float|uint16_t), (true|false)>", v.kernel)
-            continue
         if v.wgmma:
             # 128 rows: a loading warpgroup and two computing ones; 64: one that does both
             assert v.rows_per_cta == v.wg_rows

@@ -49,12 +49,10 @@ def main(argv=None) -> int:
     from benchlib.multi_torch import time_graph
     from lowlevel_fd import DecodePlan, MultiPlan
     from lowlevel_fd.driver import Device, Stream
-    from lowlevel_fd.multi.variants import (WG_ROWS, ksplits, token_major_available,
-                                            wgmma_available)
+    from lowlevel_fd.multi.variants import WG_ROWS, ksplits, wgmma_available
 
     device = Device(0)
     wgmma_ok = wgmma_available(device.arch, D)
-    tm_ok = token_major_available(device.arch, D)
     stream = Stream(device)
     gbps = measure_read_bandwidth(device, stream)["gbps"]
     stream.close()
@@ -100,11 +98,6 @@ def main(argv=None) -> int:
                                                           "combine": False}
         if args.planned_only:
             kernels.clear()
-        # Decode rows (no qo_indptr, DecodePlan's route): the token-major kernel and the
-        # planner's pick without it.
-        if tm_ok and hq // hkv <= 64:
-            kernels["decode rows, token-major"] = {"decode_rows": True, "token_major": True}
-        kernels["decode rows, no token-major"] = {"decode_rows": True, "token_major": False}
         kernels["planner"] = {}
         kernels["planner, last split"] = {"combine": False}
         diff = 0.0
@@ -114,16 +107,10 @@ def main(argv=None) -> int:
             if (options.get("cluster") and splits in (None, 1)) or (
                     "combine" in options and splits == 1):
                 continue  # nothing to merge (a cluster of the planned splits may not exist)
-            options = dict(options)
-            rows_only = options.pop("decode_rows", False)
-            if rows_only and splits is not None and splits > 1 and not options["token_major"]:
-                continue  # the planner's split count only: the kernel rows above cover more
             plan = MultiPlan.create(hq, hkv, D, max_batch=batch, max_seq_len=seq).plan(
-                None if rows_only else indptr_host, [seq] * batch, causal=False,
-                num_splits=splits, **options)
+                indptr_host, [seq] * batch, causal=False, num_splits=splits, **options)
             o_multi.fill_(float("nan"))
-            t = time_graph(lambda: [plan.run(q, *c, lens, None if rows_only else indptr,
-                                             o_multi, stream=current())
+            t = time_graph(lambda: [plan.run(q, *c, lens, indptr, o_multi, stream=current())
                                     for c in caches], iters=30, warmup=5, per=layers)
             if name.startswith("planner"):
                 described = plan.describe()

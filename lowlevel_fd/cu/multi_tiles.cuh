@@ -53,7 +53,7 @@ struct MultiTile {
 // thread's first row and scale in the next tile are kept and advanced a tile per issue
 // instead of recomputed from the token (tiles are issued in order from `start`).
 template <int HEAD_DIM, int ROWS, bool TOKEN_SCALES, typename ScaleT, bool PAGED,
-          int THREADS = 128, bool CURSOR = false, bool TEAM = false>
+          int THREADS = 128, bool CURSOR = false>
 struct TileLoader {
   static_assert(!(CURSOR && PAGED), "the cursor walks contiguous storage");
   using T = MultiTile<HEAD_DIM, ROWS, THREADS>;
@@ -67,15 +67,9 @@ struct TileLoader {
 
   __device__ __forceinline__ TileLoader(int b_, int kvh_) : b(b_), kvh(kvh_) {}
 
-  // This thread's index among the THREADS that issue (TEAM: one of several warpgroups that
-  // load their own tiles, multi_tm.cu; else the CTA's first THREADS threads).
-  __device__ static __forceinline__ unsigned tid() {
-    return TEAM ? threadIdx.x % THREADS : threadIdx.x;
-  }
-
-  __device__ static __forceinline__ int row0() { return tid() / T::kRowChunks; }
-  __device__ static __forceinline__ int chunk() { return tid() % T::kRowChunks; }
-  __device__ static __forceinline__ bool scale_thread() { return tid() < 2 * T::kRows; }
+  __device__ static __forceinline__ int row0() { return threadIdx.x / T::kRowChunks; }
+  __device__ static __forceinline__ int chunk() { return threadIdx.x % T::kRowChunks; }
+  __device__ static __forceinline__ bool scale_thread() { return threadIdx.x < 2 * T::kRows; }
 
   // Paged: the page ids of the tile at t0 (rows before `end` only: the table need not reach
   // further).
@@ -87,7 +81,7 @@ struct TileLoader {
         const int t = t0 + row0() + i * T::kRowStep;
         pages[i] = t < end ? __ldg(table + (t >> p.page_shift)) : 0;
       }
-      const int t = t0 + static_cast<int>(tid()) % T::kRows;
+      const int t = t0 + static_cast<int>(threadIdx.x) % T::kRows;
       scale_page = TOKEN_SCALES && scale_thread() && t < end
                        ? __ldg(table + (t >> p.page_shift)) : 0;
     }
@@ -114,7 +108,7 @@ struct TileLoader {
       row_cursor = b * p.kv_batch_stride + kvh * p.kv_head_stride +
                    static_cast<int64_t>(t0 + row0()) * p.kv_token_stride + 16 * chunk();
       scale_cursor = (b * p.scale_batch_stride + kvh * p.scale_head_stride +
-                      static_cast<int64_t>(t0 + static_cast<int>(tid()) % T::kRows) *
+                      static_cast<int64_t>(t0 + static_cast<int>(threadIdx.x) % T::kRows) *
                           p.scale_token_stride) * kScaleBytes;
     }
   }
@@ -136,8 +130,8 @@ struct TileLoader {
     }
     if constexpr (TOKEN_SCALES) {
       if (scale_thread()) {
-        const bool is_v = tid() >= T::kRows;
-        const int r = tid() % T::kRows, t = t0 + r;
+        const bool is_v = threadIdx.x >= T::kRows;
+        const int r = threadIdx.x % T::kRows, t = t0 + r;
         const char* base = static_cast<const char*>(is_v ? p.v_scale : p.k_scale);
         int64_t at = -1;  // bytes
         if (t < end) {
@@ -181,8 +175,8 @@ struct TileLoader {
     row_cursor += T::kRows * p.kv_token_stride;
     if constexpr (TOKEN_SCALES) {
       if (scale_thread()) {
-        const bool is_v = tid() >= T::kRows;
-        const int r = tid() % T::kRows;
+        const bool is_v = threadIdx.x >= T::kRows;
+        const int r = threadIdx.x % T::kRows;
         const char* base = static_cast<const char*>(is_v ? p.v_scale : p.k_scale);
         const bool in = t0 + r < end;
         const uint32_t dst = stage_addr + (is_v ? T::kVScale : T::kKScale) + 4 * r;
@@ -223,9 +217,9 @@ struct TileLoader {
   __device__ __forceinline__ void widen(char* stage_base, int stage) {
     if constexpr (TOKEN_SCALES && sizeof(ScaleT) == 2) {
       if (scale_thread()) {
-        const bool is_v = tid() >= T::kRows;
+        const bool is_v = threadIdx.x >= T::kRows;
         uint32_t* slot = reinterpret_cast<uint32_t*>(
-            stage_base + (is_v ? T::kVScale : T::kKScale) + 4 * (tid() % T::kRows));
+            stage_base + (is_v ? T::kVScale : T::kKScale) + 4 * (threadIdx.x % T::kRows));
         const uint32_t word = *slot;
         const uint16_t bits = ((selectors >> stage) & 1) ? word >> 16 : word & 0xffffu;
         *reinterpret_cast<float*>(slot) = half_to_float(bits);

@@ -45,14 +45,6 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// ... and register A fragments: their conversions finish before the wgmma.fence that follows
-// (defined after it, ptxas serializes every wgmma of the stage).
-template <int N>
-__device__ __forceinline__ void fence_operands(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3])::"memory");
-}
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64]^T, A fp16 in registers (mma.sync's A fragment per
 // warp), B fp16 K-major in shared memory; `first`: D = A B^T (the registers only written).

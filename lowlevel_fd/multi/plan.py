@@ -18,10 +18,9 @@ from ..driver.stream import StreamLike
 from .bind import MultiBinder, host_queries
 from .params import MultiParams
 from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_ksplit, choose_merge,
-                      choose_splits, choose_token_major, choose_wg_rows)
+                      choose_splits, choose_wg_rows)
 from .prepared import PreparedRun
-from .variants import (WG_ROWS, CombineVariant, MultiVariant, ksplits, token_major_available,
-                       wgmma_available)
+from .variants import WG_ROWS, CombineVariant, MultiVariant, ksplits, wgmma_available
 
 _LOG2E = 1.4426950408889634
 MAX_GRID_Z = 65535  # the batch is grid.z
@@ -71,7 +70,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
              num_splits: int | None = None, ksplit: int | None = None,
              tree: bool = False, wgmma: bool | None = None,
              wg_rows: int | None = None, cluster: bool | None = None,
-             combine: bool | None = None, token_major: bool | None = None) -> "MultiPlan":
+             combine: bool | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0, or None:
         decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size
         the workspace. ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
@@ -87,12 +86,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         the clustered grid as well as the plain one (``describe()["cluster"]``). ``combine``:
         splits not merged in a cluster are merged by a second kernel (True or None, the
         default; True also forbids the cluster) or by the last split of each row tile to
-        finish (False); ``describe()["merge"]`` says which, ``"launches"`` how many.
-        ``token_major``: the token-major kernel (sm_90, head_dim 128, decode rows of up to 64
-        heads per KV head; splits merged by the merge kernel): True requires it, False forbids
-        it, None lets the planner pick it (``describe()["token_major"]``); it excludes the
-        options that pick another kernel or merge (wgmma, wg_rows, ksplit > 1, tree,
-        cluster=True, combine=False)."""
+        finish (False); ``describe()["merge"]`` says which, ``"launches"`` how many."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
@@ -100,8 +94,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
             check.flag("wgmma", wgmma)
         if cluster is not None:
             check.flag("cluster", cluster)
-        if token_major is not None:
-            check.flag("token_major", token_major)
         if combine is not None:
             check.flag("combine", combine)
             if combine and cluster:
@@ -115,21 +107,13 @@ class MultiPlan(OnCache, CreatedFromOptions):
         if ksplit is not None and ksplit not in allowed:
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
                              f"{' with tree=True' if tree else ''}, got {ksplit!r}")
-        use_tm = choose_token_major(
-            token_major, available=token_major_available(self.device.arch, self.head_dim),
-            decode_rows=decode_rows, group_size=self.group_size,
-            where=f"{self.device.arch} and head_dim {self.head_dim}",
-            others={"wgmma": wgmma is not None, "wg_rows": wg_rows is not None,
-                    "ksplit > 1": ksplit not in (None, 1), "tree=True": tree,
-                    "cluster=True": cluster is True, "combine=False": combine is False})
-        use_wgmma, wg_rows = (False, 128) if use_tm else self._wgmma_choice(
+        use_wgmma, wg_rows = self._wgmma_choice(
             wgmma, wg_rows, ksplit, tree, int(qo_lens.max()) * self.group_size,
             int(np.count_nonzero(qo_lens)) * self.num_kv_heads)
         if ksplit is None:
-            ksplit = (allowed[-1] if tree else 1 if use_wgmma or use_tm else
+            ksplit = (allowed[-1] if tree else 1 if use_wgmma else
                       choose_ksplit(qo_lens, self.group_size, self.head_dim))
-        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma, wg_rows,
-                                            use_tm)
+        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma, wg_rows)
         threads = self.variant.threads
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
                              self.variant.tile_tokens, self.variant.rows_per_cta)
@@ -186,7 +170,6 @@ class MultiPlan(OnCache, CreatedFromOptions):
             "decode_rows": decode_rows,
             "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
             "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
-            "token_major": use_tm,
             "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens, "cluster": clustered,
             "merge": merge, "launches": 1 + (merge == "kernel"),

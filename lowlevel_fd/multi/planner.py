@@ -39,10 +39,6 @@ WAVES = 2
 WGMMA_MIN_ROWS = 65
 WG64_MIN_ROWS = 33
 WG64_MIN_TILES_PER_SM = 2
-# The token-major kernel (multi_tm.cu: the KV tokens on the MMA's M, no fp16 copy of a tile)
-# takes decode rows of TM_MIN_GROUP .. TM_MAX_GROUP query heads per KV head (PERF_NOTES v30).
-TM_MIN_GROUP = 17
-TM_MAX_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -95,34 +91,6 @@ def choose_wg_rows(rows: int, row_tiles: int, sm_count: int) -> int | None:
     if rows >= WG64_MIN_ROWS:
         return 64 if row_tiles >= WG64_MIN_TILES_PER_SM * sm_count else 128
     return None
-
-
-def choose_token_major(token_major: bool | None, *, available: bool, decode_rows: bool,
-                       group_size: int, where: str, others: dict[str, bool]) -> bool:
-    """Whether a plan runs on the token-major kernel: by default for decode rows of
-    TM_MIN_GROUP .. TM_MAX_GROUP heads per KV head where it is ``available`` (sm_90, head_dim
-    128; ``where`` names the device and head_dim) and no option in ``others`` (name: given)
-    asks for another kernel or merge; True requires it (ValueError where it cannot run), False
-    forbids it."""
-    given = [name for name, present in others.items() if present]
-    if token_major is None:
-        return (available and decode_rows and not given
-                and TM_MIN_GROUP <= group_size <= TM_MAX_GROUP)
-    if not token_major:
-        return False
-    if not decode_rows:
-        raise ValueError("token_major: the token-major kernel runs decode rows "
-                         "(qo_indptr=None), got a qo_indptr")
-    if not available:
-        raise ValueError(f"token_major: the token-major kernel needs an sm_90 device and "
-                         f"head_dim 128, got {where}")
-    if group_size > TM_MAX_GROUP:
-        raise ValueError(f"token_major: the token-major kernel takes up to {TM_MAX_GROUP} query "
-                         f"heads per KV head, got {group_size}")
-    if given:
-        raise ValueError(f"token_major: the token-major kernel takes none of "
-                         f"{', '.join(given)}")
-    return True
 
 
 def choose_ksplit(qo_lens: np.ndarray, group_size: int, head_dim: int) -> int:

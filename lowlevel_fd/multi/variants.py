@@ -2,10 +2,8 @@
 dtype, storage) and kernel: multi_attend (multi.cu, mma.sync, every arch, KSPLIT 1 or split
 warps) and, on Hopper's warpgroup MMA (sm_90 only, head_dim 64 and 128, whole tiles per
 warpgroup), multi_attend_wg (multi_wg.cu, CTAs of 128 query rows) and multi_attend_wg64
-(multi_wg64.cu, CTAs of 64 rows, two per SM), and for decode rows of up to 64 heads per KV head
-at head_dim 128 multi_attend_tm (multi_tm.cu, the KV tokens on the MMA's M); and the separate
-split merge, multi_combine (multi_combine.cu), one per (head_dim, rows per CTA, tokens per
-tile, dtype) of those."""
+(multi_wg64.cu, CTAs of 64 rows, two per SM); and the separate split merge, multi_combine
+(multi_combine.cu), one per (head_dim, rows per CTA, tokens per tile, dtype) of those."""
 from __future__ import annotations
 
 import itertools
@@ -22,12 +20,6 @@ WG_ROWS = (128, 64)  # the warpgroup kernels' query rows per CTA (multi_wg.cu, m
 WG_HEAD_DIMS = (64, 128)
 WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
 WG_SCALE_ROW = 20  # floats per lane's row of scales in a widened tile (WgLayout::kScaleRow)
-# The token-major kernel (multi_tm.cu, TmLayout): decode rows only, a KV head's query heads
-# padded to 64, two warpgroups of four cp.async stages each.
-TM_HEAD_DIMS = (128,)
-TM_HEADS = 64
-TM_THREADS = 256
-TM_STAGES = 4
 
 
 def tile_tokens(head_dim: int, ksplit: int = 1, wgmma: bool = False) -> int:
@@ -42,11 +34,6 @@ def tile_tokens(head_dim: int, ksplit: int = 1, wgmma: bool = False) -> int:
 def wgmma_available(arch: str, head_dim: int) -> bool:
     """Whether multi_wg.cu serves this device and head_dim."""
     return arch in WG_ARCHS and head_dim in WG_HEAD_DIMS
-
-
-def token_major_available(arch: str, head_dim: int) -> bool:
-    """Whether multi_tm.cu serves this device and head_dim (its decode rows)."""
-    return arch in WG_ARCHS and head_dim in TM_HEAD_DIMS
 
 
 def ksplits(head_dim: int) -> tuple[int, ...]:
@@ -69,7 +56,6 @@ class MultiVariant:
     ksplit: int = 1  # warps per 16 query rows, sharing each KV tile (multi.cu KSPLIT)
     wgmma: bool = False  # a warpgroup-MMA kernel (ksplit 1)
     wg_rows: int = 128   # ... its query rows per CTA: 128 (multi_wg.cu) or 64 (multi_wg64.cu)
-    token_major: bool = False  # multi_tm.cu: decode rows, tokens on the MMA's M
 
     def __post_init__(self) -> None:
         if self.wgmma and (self.ksplit != 1 or self.head_dim not in WG_HEAD_DIMS):
@@ -77,23 +63,12 @@ class MultiVariant:
                              f"got ksplit {self.ksplit}, head_dim {self.head_dim}")
         if self.wg_rows not in WG_ROWS:
             raise ValueError(f"wg_rows: expected one of {WG_ROWS}, got {self.wg_rows!r}")
-        if self.token_major and (self.wgmma or self.ksplit != 1
-                                 or self.head_dim not in TM_HEAD_DIMS):
-            raise ValueError(f"the token-major kernel takes ksplit 1, no wgmma flag and "
-                             f"head_dim {TM_HEAD_DIMS}, got ksplit {self.ksplit}, wgmma "
-                             f"{self.wgmma}, head_dim {self.head_dim}")
 
     @classmethod
     def planned(cls, spec: KVCacheSpec, dtype: str, ksplit: int = 1,
-                wgmma: bool = False, wg_rows: int = 128,
-                token_major: bool = False) -> "MultiVariant":
+                wgmma: bool = False, wg_rows: int = 128) -> "MultiVariant":
         return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged,
-                   ksplit, wgmma, wg_rows if wgmma else 128, token_major)
-
-    @property
-    def hopper_only(self) -> bool:
-        """A warpgroup-MMA program (sm_90a only)."""
-        return self.wgmma or self.token_major
+                   ksplit, wgmma, wg_rows if wgmma else 128)
 
     @property
     def row_blocks(self) -> int:
@@ -103,19 +78,15 @@ class MultiVariant:
 
     @property
     def rows_per_cta(self) -> int:
-        if self.token_major:
-            return TM_HEADS
         return self.wg_rows if self.wgmma else 16 * self.row_blocks * (4 // self.ksplit)
 
     @property
     def threads(self) -> int:
-        if self.token_major:
-            return TM_THREADS
         return (384 if self.wg_rows == 128 else 128) if self.wgmma else THREADS
 
     @property
     def tile_tokens(self) -> int:
-        return tile_tokens(self.head_dim, self.ksplit, self.hopper_only)
+        return tile_tokens(self.head_dim, self.ksplit, self.wgmma)
 
     @property
     def kernel(self) -> str:
@@ -123,8 +94,6 @@ class MultiVariant:
                 f"{support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
                 f"{support.cxx_bool(self.paged)}")
-        if self.token_major:
-            return f"llfd::multi_attend_tm<{args}>"
         if self.wgmma:
             return f"llfd::multi_attend_wg{'64' if self.wg_rows == 64 else ''}<{args}>"
         return f"llfd::multi_attend<{args}, {self.ksplit}>"
@@ -139,7 +108,7 @@ class MultiVariant:
         multi_wg.cu rounds a stage to 1 KB: swizzle atoms)."""
         rows = self.tile_tokens
         raw = 2 * rows * self.head_dim + 8 * rows
-        return -(-raw // 1024) * 1024 if self.wgmma else raw  # multi_tm.cu: 128-byte rows
+        return -(-raw // 1024) * 1024 if self.wgmma else raw
 
     @property
     def shared_bytes(self) -> int:
@@ -149,17 +118,7 @@ class MultiVariant:
         int8 stages (three; two at 64 rows), widened tiles (fp16 K and V, their fp32 scales in
         rows of 20 floats per lane and two V maxima, 1 KB aligned: three; two at 64 rows), the
         computing warpgroups' fp16 Q (64 rows each; at 64 rows staged in the second widened
-        tile), and 1 KB to align them. The token-major kernel (TmLayout::kBytes): fp16 Q of
-        64 heads, each warpgroup's fp16 P^T tile and its stages, the warpgroups' reduction
-        rows (64 floats per warp, one more each) and 64 row scales, the merge of the two
-        warpgroups (row sums, one warpgroup's fp32 O^T, offsets), 1 KB to align them."""
-        if self.token_major:
-            query = TM_HEADS * self.head_dim * 2
-            probabilities = 2 * TM_HEADS * self.tile_tokens * 2
-            reductions = 2 * 4 * TM_HEADS * 4 + 2 * 4 * 4 + TM_HEADS * 4
-            merge = 2 * 4 * TM_HEADS * 4 + TM_THREADS // 2 * TM_HEADS * 4 + TM_HEADS * 4
-            return (query + probabilities + 2 * TM_STAGES * self.stage_bytes + reductions
-                    + merge + 1024)
+        tile), and 1 KB to align them."""
         if self.wgmma:
             rows = self.tile_tokens
             scales = 2 * 4 * WG_SCALE_ROW * 4 + 8  # K and V: 4 lanes' rows of fp32; 2 maxima
@@ -173,19 +132,17 @@ class MultiVariant:
 
     @property
     def source(self) -> str:
-        if self.token_major:
-            return "multi_tm.cu"
         if self.wgmma:
             return "multi_wg64.cu" if self.wg_rows == 64 else "multi_wg.cu"
         return "multi.cu"
 
     def builds_for(self, arch: str) -> bool:
-        """Whether this program exists for ``arch`` (the wgmma kernels: Hopper only)."""
-        return not self.hopper_only or arch in WG_ARCHS
+        """Whether this program exists for ``arch`` (the wgmma kernel: Hopper only)."""
+        return not self.wgmma or arch in WG_ARCHS
 
     def target_arch(self, arch: str) -> str:
         """The arch NVRTC compiles for: wgmma needs the arch-specific sm_90a."""
-        if not self.hopper_only:
+        if not self.wgmma:
             return arch
         if not self.builds_for(arch):
             raise ValueError(f"arch: the wgmma kernel needs sm_90, got {arch!r}")
@@ -250,5 +207,3 @@ def _attention_variants() -> Iterator[MultiVariant]:
                     for rows in WG_ROWS:
                         yield MultiVariant(dim, dtype, mode, scale_dtype, paged, wgmma=True,
                                            wg_rows=rows)
-                if dim in TM_HEAD_DIMS:
-                    yield MultiVariant(dim, dtype, mode, scale_dtype, paged, token_major=True)
