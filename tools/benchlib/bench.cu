@@ -165,3 +165,109 @@ extern "C" __global__ void __launch_bounds__(256) gather_tiles(const GatherParam
   if (arrived) llfd::cluster_wait();
   if (acc == 0x8badf00du) *p.sink = acc;
 }
+
+// What a kernel could make of a layout's bytes (tools/probe_bulk.py): a CTA's KV heads (all of
+// them, or one) of each 16-token tile, every contiguous run of the tile's rows (a head's
+// tokens, a whole page, a page's tokens of all heads, a row) fetched by one cp.async.bulk copy
+// (the copy engine issues it: no per-row address arithmetic), `stages` tiles in flight on
+// mbarriers. One warp per CTA; grid (splits, B, KV heads / heads per CTA): the CTA's first
+// head is blockIdx.z x head_step bytes into each unit. It bounds from below what an attention
+// kernel with this access pays for the layout, as gather_tiles bounds the decode kernel's.
+struct BulkSide {  // one kind of row (K and V rows, or their scales), bytes
+  long long unit_stride;  // between sequences (contiguous) or pages
+  long long token_stride, seg_stride;  // within a unit: between tokens, between segments
+  int seg_bytes, segs;  // a tile's run per unit and segment, and the segments per unit
+};
+
+struct BulkParams {
+  const char* k;
+  const char* v;
+  const char* k_scale;  // null: no scales
+  const char* v_scale;
+  const int32_t* table;  // null: contiguous
+  BulkSide rows, scales;
+  int seq_len, splits, page_shift, pages_per_seq;
+  int tile_units;  // units (pages) per 16-token tile: 16 / page_size below 16, else 1
+  int stages, stage_bytes;
+  long long row_head_step, scale_head_step;  // bytes from one CTA's first head to the next's
+  unsigned long long* sink;
+};
+
+namespace llfd {
+
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool bar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok != 0;
+}
+
+}  // namespace llfd
+
+extern "C" __global__ void __launch_bounds__(32) gather_bulk(const BulkParams p) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t bars[16];
+  const int lane = threadIdx.x, b = blockIdx.y;
+  const int chunk = p.seq_len / p.splits, start = blockIdx.x * chunk, end = start + chunk;
+  const int tiles = chunk / 16, unit_tokens = 16 / p.tile_units;
+  const uint32_t base = llfd::shared_address(smem), bar0 = llfd::shared_address(bars);
+  if (lane == 0) {
+    for (int s = 0; s < p.stages; ++s)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  const int row_copies = p.tile_units * p.rows.segs;
+  const int scale_copies = p.k_scale != nullptr ? p.tile_units * p.scales.segs : 0;
+  const int tx = 2 * (row_copies * p.rows.seg_bytes + scale_copies * p.scales.seg_bytes);
+  auto issue = [&](int stage, int t0) {
+    const uint32_t bar = bar0 + 8 * stage, dst = base + stage * p.stage_bytes;
+    if (lane == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(tx)
+                   : "memory");
+    __syncwarp();
+    auto source = [&](const BulkSide& side, int i) {
+      const int u = i / side.segs, seg = i % side.segs, pos = t0 + u * unit_tokens;
+      long long unit = b, slot = pos;
+      if (p.table != nullptr) {
+        unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
+        slot = pos & ((1 << p.page_shift) - 1);
+      }
+      return unit * side.unit_stride + slot * side.token_stride + seg * side.seg_stride +
+             blockIdx.z * (&side == &p.rows ? p.row_head_step : p.scale_head_step);
+    };
+    for (int i = lane; i < row_copies; i += 32) {
+      const long long at = source(p.rows, i);
+      const uint32_t to = dst + i * p.rows.seg_bytes;
+      llfd::bulk_copy(to, p.k + at, p.rows.seg_bytes, bar);
+      llfd::bulk_copy(to + row_copies * p.rows.seg_bytes, p.v + at, p.rows.seg_bytes, bar);
+    }
+    for (int i = lane; i < scale_copies; i += 32) {
+      const long long at = source(p.scales, i);
+      const uint32_t to = dst + 2 * row_copies * p.rows.seg_bytes + i * p.scales.seg_bytes;
+      llfd::bulk_copy(to, p.k_scale + at, p.scales.seg_bytes, bar);
+      llfd::bulk_copy(to + scale_copies * p.scales.seg_bytes, p.v_scale + at,
+                      p.scales.seg_bytes, bar);
+    }
+  };
+  for (int j = 0; j < p.stages && j < tiles; ++j) issue(j, start + 16 * j);
+  uint32_t acc = 0;
+  for (int j = 0; j < tiles; ++j) {
+    const int stage = j % p.stages;
+    while (!llfd::bar_try_wait(bar0 + 8 * stage, (j / p.stages) & 1)) {
+    }
+    acc ^= reinterpret_cast<const uint32_t*>(smem + stage * p.stage_bytes)[lane];
+    // the generic read above before the async proxy's next write of the stage
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (j + p.stages < tiles) issue(stage, start + 16 * (j + p.stages));
+  }
+  if (acc == 0x8badf00du && end > 0) *p.sink = acc;
+}

@@ -17,7 +17,7 @@ from .stats import gbps, summarize
 
 GIB = 2**30
 SOURCE = Path(__file__).resolve().parent / "bench.cu"
-KERNELS = ("read_bandwidth", "fill_random", "gather_tiles", "copy_pitched")  # extern "C": their names are their symbols
+KERNELS = ("read_bandwidth", "fill_random", "gather_tiles", "copy_pitched", "gather_bulk")  # extern "C": their names are their symbols
 # (blocks per SM, threads per block): the same 2048 resident threads per SM cut different ways,
 # plus an oversubscribed grid; the best one is the reference.
 BANDWIDTH_CONFIGS = ((4, 512), (8, 512), (16, 256), (2, 1024), (32, 128))

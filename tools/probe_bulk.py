@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""The best a kernel could do with a layout's bytes: bench.cu's gather_bulk reads all KV heads
+of each 16-token tile per CTA, every contiguous run of the tile's rows (a head's tokens, a whole
+page, a page's tokens of all heads) and of its scales as one cp.async.bulk copy, ``--stages``
+tiles in flight per CTA, no math. Over contiguous caches (bnsh, bsnh) and pages (hnd, nhd) in
+random or physical order (benchlib.pages.page_ids). Where a paged row costs more than the
+contiguous one here, no attention kernel reading those pages avoids the difference (PERF_NOTES
+v31 compares it with the decode kernel's own copies, tools/probe_gather.py).
+
+    PYTHONPATH=.:tools python3 tools/probe_bulk.py --shapes '32,4096;64,8192' --pages 16,1
+
+Hkv=8, D=128, int8 K and V, fp32 token scales in their own pools, as probe_gather.py. Each
+shape's pools hold >= 200 MiB (one launch reads every byte once from DRAM). One launch per graph
+replay, CUDA events, median (p20-p80) of --iters replays after warmup; GB/s, % of the read
+reference measured in the same run, and ratio to bnsh of the same shape, stages and splits.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import sys
+
+import numpy as np
+from benchlib.kernels import bench_kernel, fill_random, measure_read_bandwidth
+from benchlib.pages import PAGE_ORDERS, page_ids
+from benchlib.stats import gbps, summarize
+from benchlib.workloads import parse_shapes
+from probe_gather import MIN_BYTES, D, H, strides
+
+TILE = 16
+ROW_BYTES, SCALE_BYTES = D, 4
+STAGE_BYTES = 2 * TILE * H * (ROW_BYTES + SCALE_BYTES)  # K, V rows and scales of one tile
+MAX_SHARED = 6 * STAGE_BYTES  # within the H100's 227 KiB per CTA
+
+
+class BulkSide(ctypes.Structure):  # bench.cu's BulkSide
+    _fields_ = [("unit_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
+                ("seg_stride", ctypes.c_int64), ("seg_bytes", ctypes.c_int32),
+                ("segs", ctypes.c_int32)]
+
+
+class BulkParams(ctypes.Structure):  # bench.cu's BulkParams, field for field
+    _fields_ = ([(name, ctypes.c_uint64) for name in ("k", "v", "k_scale", "v_scale", "table")]
+                + [("rows", BulkSide), ("scales", BulkSide)]
+                + [(name, ctypes.c_int32) for name in (
+                    "seq_len", "splits", "page_shift", "pages_per_seq", "tile_units", "stages",
+                    "stage_bytes")]
+                + [("row_head_step", ctypes.c_int64), ("scale_head_step", ctypes.c_int64),
+                   ("sink", ctypes.c_uint64)])
+
+
+def side(byte_strides: tuple[int, int, int], item: int, unit_tokens: int,
+         heads: int) -> BulkSide | None:
+    """A tile's copies of one kind of row: (unit, head, token) byte strides and the bytes per
+    (token, head) -> the contiguous runs of ``unit_tokens`` tokens of ``heads`` heads (all, or
+    one) in one unit; None where a run would be under the 16 bytes a bulk copy takes."""
+    unit, head, token = byte_strides
+    if token == item:  # a head's tokens adjoin: one run per head, or one for all heads
+        if head == unit_tokens * item or heads == 1:
+            run = BulkSide(unit, token, 0, heads * unit_tokens * item, 1)
+        else:
+            run = BulkSide(unit, token, head, unit_tokens * item, heads)
+    elif head == item and token == H * item:  # a token's heads adjoin, then the next token
+        run = (BulkSide(unit, token, 0, unit_tokens * H * item, 1) if heads == H
+               else BulkSide(unit, token, token, heads * item, unit_tokens))
+    else:
+        raise ValueError(f"no contiguous runs in strides {byte_strides}")
+    return run if run.seg_bytes % 16 == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="32,4096;64,8192;128,2048", help="'B,S;B,S;...'")
+    parser.add_argument("--pages", default="16,1", help="comma list of page sizes (<= 16)")
+    parser.add_argument("--orders", default="random,ordered",
+                        help=f"comma list of page orders: {', '.join(PAGE_ORDERS)}")
+    parser.add_argument("--stages", default="3,6", help="comma list: tiles in flight per CTA "
+                                                       "(3: two CTAs per SM, 6: one)")
+    parser.add_argument("--ctas", default="128,264",
+                        help="comma list of CTAs per launch (B x splits x 8 / heads per "
+                             "CTA; splits rounded down to a power of two, at least 1)")
+    parser.add_argument("--scales", default="fp32", help="comma list: fp32 and/or none")
+    parser.add_argument("--heads", default="8", help="comma list of KV heads per CTA: 8 "
+                                                   "(all) and/or 1")
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
+    from lowlevel_fd.timing import time_graph
+
+    device, stream = Device(0), Stream()
+    reference = measure_read_bandwidth(device, stream)["gbps"]
+    print(f"read reference {reference:.0f} GB/s", flush=True)
+    kernel = bench_kernel(device, "gather_bulk")
+    stage_counts = [int(s) for s in args.stages.split(",")]
+    kernel.allow_dynamic_shared(MAX_SHARED)
+    sink = DeviceArray.full(1, 0, np.uint64, device)
+    rng = np.random.default_rng(0)
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} {'stages':>6} "
+          f"{'splits':>6} {'heads':>5} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
+          flush=True)
+    for batch, seq_len in parse_shapes(args.shapes):
+        tokens = batch * seq_len
+        if 2 * tokens * H * D < MIN_BYTES:
+            print(f"skip B={batch} S={seq_len}: under 200 MiB of K and V", file=sys.stderr)
+            continue
+        pools = [DeviceArray.empty(n, dtype, device)
+                 for n, dtype in ((tokens * H * D, np.int8),) * 2 + ((tokens * H, np.float32),) * 2]
+        k, v, ks, vs = pools
+        for seed, array in enumerate(pools):
+            fill_random(array, seed + 1, stream)
+        variants = [("bnsh", 0, "-"), ("bsnh", 0, "-")] + [
+            (layout, int(page), order) for layout in ("hnd", "nhd")
+            for page in args.pages.split(",") for order in args.orders.split(",")]
+        base: dict[tuple, float] = {}
+        for layout, page, order in variants:
+            unit_tokens = min(TILE, page) if page else TILE
+            rows, scales = strides(layout, seq_len, page)
+            table = None
+            if page:
+                ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
+                table = DeviceArray.from_numpy(ids.astype(np.int32), device)
+            for with_scales, stages, ctas, heads in itertools.product(
+                    args.scales.split(","), stage_counts, args.ctas.split(","),
+                    [int(h) for h in args.heads.split(",")]):
+                on = with_scales == "fp32"
+                splits = 1 << (max(1, int(ctas) * heads // (H * batch)).bit_length() - 1)
+                row_side = side(rows, ROW_BYTES, unit_tokens, heads)
+                scale_side = side(scales, SCALE_BYTES, unit_tokens, heads)
+                stage_bytes = STAGE_BYTES * heads // H
+                if (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
+                        or stages * stage_bytes > MAX_SHARED or stages > 16):
+                    continue  # runs under 16 bytes, S not a multiple of the splits' tiles,
+                    # or more stages than shared memory or the kernel's 16 barriers hold
+                p = BulkParams(k.ptr, v.ptr, ks.ptr if on else 0, vs.ptr if on else 0,
+                               table.ptr if table else 0, row_side,
+                               scale_side or BulkSide(), seq_len, splits,
+                               page.bit_length() - 1 if page else 0,
+                               seq_len // page if page else 0, TILE // unit_tokens, stages,
+                               stage_bytes, heads * rows[1], heads * scales[1], sink.ptr)
+                launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32,
+                                                     stages * stage_bytes), p)
+                stats = summarize([1e3 * ms for ms in time_graph(
+                    lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
+                nbytes = 2 * tokens * H * (D + (SCALE_BYTES if on else 0))
+                rate = gbps(nbytes, stats.median)
+                key = (with_scales, stages, splits, heads)
+                base.setdefault(key, stats.median)
+                print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
+                      f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {stats.median:>8.2f} "
+                      f"{stats.p20:>8.2f} {stats.p80:>8.2f} {rate:>6.0f} "
+                      f"{100 * rate / reference:>5.1f}% {stats.median / base[key]:>6.3f}",
+                      flush=True)
+            if table is not None:
+                table.close()
+        for array in pools:
+            array.close()
+    sink.close()
+    stream.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
