@@ -178,19 +178,13 @@ decode_split(const __grid_constant__ DecodeParams p) {
   const int64_t scale_offset = b * p.scale_batch_stride + kvh * p.scale_head_stride;
   const ScaleT* ks_tokens = static_cast<const ScaleT*>(p.k_scale) + scale_offset;
   const ScaleT* vs_tokens = static_cast<const ScaleT*>(p.v_scale) + scale_offset;
-  // The pipelines start at a kAlign boundary (the variant's shared memory has room for it).
-  const uint32_t pipe_offset =
-      ((shared_address(smem) + S::kAlign - 1) & ~uint32_t(S::kAlign - 1)) - shared_address(smem);
-  const uint32_t pipe = shared_address(smem) + pipe_offset + warp * STAGES * S::kBytes;
+  const uint32_t pipe = shared_address(smem) + warp * STAGES * S::kBytes;
   auto pipe_base = [&](int index) __attribute__((always_inline)) {
     return pipe + index * S::kBytes;
   };
   constexpr int kStep = 16 * TILES * NUM_WARPS;
   const int first = start + 16 * TILES * warp;
   typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh, lane);
-  __shared__ __align__(8) uint64_t tma_bars[S::kTmaSwizzle ? NUM_WARPS * STAGES : 1];
-  uint32_t tma_phases = 0;
-  if constexpr (S::kTmaSwizzle) pager.use_barriers(tma_bars + warp * STAGES, STAGES, lane);
   if constexpr (kWindow) {
     window.wait(p);  // uniform: every CTA that gets here syncs
     pager.use_window(id_window, window.first, window.count);
@@ -277,12 +271,9 @@ decode_split(const __grid_constant__ DecodeParams p) {
       }
       cp_async_wait<STAGES - 1>();  // the tiles of t0 have landed (this lane's part)
       __syncwarp();                 // ... and every other lane's part is visible
-      if constexpr (S::kTmaSwizzle && decltype(whole)::value) {
-        if (pager.tma_maps != nullptr) pager.wait_stage(stage, tma_phases);
-      }
       Tile<HEAD_DIM> cur[TILES];
-      const char* stage_base = reinterpret_cast<const char*>(smem) + pipe_offset +
-                               (warp * STAGES + stage) * S::kBytes;
+      const char* stage_base =
+          reinterpret_cast<const char*>(smem) + (warp * STAGES + stage) * S::kBytes;
   #pragma unroll
       for (int sub = 0; sub < TILES; ++sub)
         read_tile<HEAD_DIM, kTokenScales, ScaleT, TILES, PAGED>(cur[sub], stage_base, sub, g, c);

@@ -54,14 +54,6 @@ struct PagedTiles {
   int pages[kShuffleIds ? 1 : kLoads];  // small pages, per-row ids: each of this lane's rows
   uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
   bool bad = false;        // a page id out of range was met
-  // Whole pages through the tensor memory accelerator (S::kTmaSwizzle and p.tma_maps): the K
-  // and V rows of a sub-tile are one bulk tensor copy each (box 128 bytes x 16 rows of the
-  // [pages][Hkv][page][D] pool, 128-byte swizzle), issued by lane 0 and completed on the
-  // stage's mbarrier; the scales stay on cp.async. A bad page id becomes coordinate -1:
-  // out of the tensor, so the box is zero-filled without a read.
-  const char* tma_maps;  // null: every row by cp.async
-  uint32_t bars = 0;     // shared address of this warp's STAGES mbarriers
-  int kvh;
 
   template <typename P>
   __device__ __forceinline__ PagedTiles(const P& p, int b, int kvh, int lane)
@@ -78,37 +70,12 @@ struct PagedTiles {
         shift(p.page_shift),
         mask((1 << p.page_shift) - 1),
         num_pages(p.num_pages),
-        whole(p.page_shift >= 4),
-        tma_maps(S::kTmaSwizzle && p.tma ? reinterpret_cast<const char*>(&p.tma_k) : nullptr),
-        kvh(kvh) {
+        whole(p.page_shift >= 4) {
     // Tiles start at multiples of 16 tokens, so a row's slot is its sub-tile's first slot
     // (0 when pages are smaller than 16) plus (row % 16) & mask (row_offset).
     row0 = lane / S::kRowChunks;
     chunk_bytes = 16 * (lane % S::kRowChunks);
     scale_offset = ((lane % 16) & mask) * scale_token_stride;
-  }
-
-  // TMA: initialise this warp's `stages` barriers (one arrival: lane 0's expect_tx).
-  __device__ __forceinline__ void use_barriers(uint64_t* warp_bars, int stages, int lane) {
-    if (tma_maps == nullptr) return;
-    bars = shared_address(warp_bars);
-    if (lane == 0) {
-      for (int i = 0; i < stages; ++i)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * i));
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-  }
-  // TMA: wait until the stage numbered `index` has landed; `phases` holds each stage's parity.
-  __device__ __forceinline__ void wait_stage(int index, uint32_t& phases) const {
-    const uint32_t bar = bars + 8 * index, parity = (phases >> index) & 1u;
-    uint32_t ready = 0;
-    while (!ready)
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-          "selp.u32 %0, 1, 0, p; }"
-          : "=r"(ready) : "r"(bar), "r"(parity) : "memory");
-    phases ^= 1u << index;
   }
 
   __device__ __forceinline__ void use_window(const int* ids, int first, int count) {
@@ -192,12 +159,6 @@ struct PagedTiles {
   // nothing.
   __device__ __forceinline__ void issue_whole(uint32_t stage, int index, int t0, int end,
                                               int lane) {
-    if constexpr (S::kTmaSwizzle) {
-      if (tma_maps != nullptr) {
-        issue_tensor(stage, index, t0, end, lane);
-        return;
-      }
-    }
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub) {
       const int first = t0 + 16 * sub, page = sub_page[sub];
@@ -220,35 +181,6 @@ struct PagedTiles {
                     src + v_delta, bytes);
       }
       issue_scales(stage, index, sub, first, end, lane, safe, ok);
-    }
-  }
-
-  __device__ __forceinline__ void issue_tensor(uint32_t stage, int index, int t0, int end,
-                                               int lane) {
-    // The warp's generic reads of this stage (the tile before) come before the async writes.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncwarp();
-    const uint32_t bar = bars + 8 * index;
-    if (lane == 0)
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                   "r"(2 * TILES * 16 * HEAD_DIM) : "memory");
-#pragma unroll
-    for (int sub = 0; sub < TILES; ++sub) {
-      const int first = t0 + 16 * sub, page = sub_page[sub];
-      const bool ok = good(page);
-      bad |= first < end && !ok;
-      if (lane == 0) {
-        const int slot = first & mask, coord = ok ? page : -1;
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv)
-          asm volatile(
-              "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-              " [%0], [%1, {%2, %3, %4, %5}], [%6];"
-              ::"r"(stage + (kv ? S::kV : S::kK) + sub * 16 * HEAD_DIM),
-                "l"(tma_maps + 128 * kv), "r"(0), "r"(slot), "r"(kvh), "r"(coord), "r"(bar)
-              : "memory");
-      }
-      issue_scales(stage, index, sub, first, end, lane, ok ? page : 0u, ok);
     }
   }
 
@@ -319,10 +251,8 @@ struct PagedTiles {
 
 // The pager a decode kernel holds: PagedTiles over pages, nothing over a contiguous cache.
 struct NoPager {
-  static constexpr const char* tma_maps = nullptr;
   template <typename P>
   __device__ __forceinline__ NoPager(const P&, int, int, int) {}
-  __device__ __forceinline__ void wait_stage(int, uint32_t&) const {}
 };
 template <bool PAGED, int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
 struct Pager { using type = PagedTiles<HEAD_DIM, TOKEN_SCALES, ScaleT, TILES>; };

@@ -5,11 +5,6 @@
 
 namespace llfd {
 
-// A CUtensorMap's 128 opaque bytes (64-byte aligned, as the driver writes them).
-struct alignas(64) TensorMapBytes {
-  unsigned long long words[16];
-};
-
 struct DecodeParams {
   const void* q;            // [B, Hq, D] fp16/bf16
   const int8_t* k_cache;    // element (b, h, t, d) at b*kv_batch_stride + h*kv_head_stride
@@ -58,14 +53,9 @@ struct DecodeParams {
   int64_t scale_token_stride;  // elements between two tokens' scales (per-token mode)
   int32_t num_pages;           // page ids outside [0, num_pages) are never dereferenced
   int32_t page_shift;          // log2(page_size)
-  // Paged hnd pools of >= 16-token pages at head_dim 128 (PagedTiles::issue_tensor): tma 1
-  // and the K and V pools' tensor maps (CUtensorMap, encoded by the host), used from the
-  // parameter space; tma 0: cp.async copies.
-  int32_t tma;
-  TensorMapBytes tma_k, tma_v;
 };
 
-static_assert(sizeof(DecodeParams) == 640, "keep in sync with lowlevel_fd/decode/params.py");
+static_assert(sizeof(DecodeParams) == 320, "keep in sync with lowlevel_fd/decode/params.py");
 
 // The query heads one CTA serves: `heads` (<= GROUP) consecutive heads from `first`, of KV head
 // `kvh`; `slot` numbers the (kv head, chunk) pairs of a sequence (blockIdx.x), `slots` counts

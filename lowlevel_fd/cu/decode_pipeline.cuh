@@ -23,19 +23,12 @@ struct Stage {
   static constexpr int kScaleBytes = PAGED ? 4 : static_cast<int>(sizeof(ScaleT));
   static constexpr int kK = 0, kV = kRows * HEAD_DIM, kKScale = 2 * kRows * HEAD_DIM;
   static constexpr int kVScale = kKScale + kRows * kScaleBytes;
-  // Paged, head_dim 128: the rows may come from the tensor memory accelerator (PagedTiles'
-  // bulk tensor copies), whose 128-byte swizzle puts chunk c of row r at c ^ (r & 7) of a
-  // 1024-byte aligned tile; every stage is then a whole number of 1024-byte blocks.
-  static constexpr bool kTmaSwizzle = PAGED && HEAD_DIM == 128;
-  static constexpr int kAlign = kTmaSwizzle ? 1024 : 16;
-  static constexpr int kBytes = (kVScale + kRows * kScaleBytes + kAlign - 1) / kAlign * kAlign;
+  static constexpr int kBytes = kVScale + kRows * kScaleBytes;
 
   __device__ static __forceinline__ int k_chunk(int row, int chunk) {
-    if (kTmaSwizzle) return chunk ^ (row & 7);
     return HEAD_DIM >= 128 ? chunk ^ (4 * (row & 1)) : chunk;
   }
   __device__ static __forceinline__ int v_chunk(int row, int chunk) {
-    if (kTmaSwizzle) return chunk ^ (row & 7);
     if (HEAD_DIM == 128) return chunk ^ (row & 6);
     if (HEAD_DIM == 256) return chunk ^ (((row >> 1) & 1) | (((row >> 2) & 1) << 2));
     return chunk ^ ((row >> 1) & 3);

@@ -19,7 +19,6 @@ from ..core.binding import (CacheArrays, check_cache, rope_table, wrap_cache,
 from ..core.spec import KVCacheSpec
 from ..driver import Device, DeviceArray
 from .params import DecodeParams
-from .tma import write_maps
 
 _RUN = ("q", "out", "seq_lens", "lse")
 _APPEND = ("k_new", "v_new", "cos_sin")
@@ -136,7 +135,6 @@ class RunBinder:
         p.q_batch_stride, p.q_head_stride = q.strides[0] // item, q.strides[1] // item
         p.out_batch_stride, p.out_head_stride = out.strides[0] // item, out.strides[1] // item
         write_cache_fields(p, self.spec, cache)
-        write_maps(p, self.spec, cache[0], cache[1])
 
 
 def advance_pages(spec: KVCacheSpec, device: Device, block_table: Any, num_pages: Any,

@@ -29,10 +29,7 @@ class DecodeParams(ctypes.Structure):
                 # the query heads: the group, served in head_chunks CTAs of chunk_heads
                 + [(name, ctypes.c_int32) for name in ("group_size", "head_chunks",
                                                        "chunk_heads", "table_window")]
-                + PAGE_FIELDS
-                # paged hnd pages of >= 16 tokens at head_dim 128: the pools' tensor maps
-                + [("tma", ctypes.c_int32), ("_tma_pad", ctypes.c_uint8 * 60),
-                   ("tma_maps", ctypes.c_uint8 * 256)])
+                + PAGE_FIELDS)
 
 
-assert ctypes.sizeof(DecodeParams) == 640, "must match sizeof(llfd::DecodeParams)"
+assert ctypes.sizeof(DecodeParams) == 320, "must match sizeof(llfd::DecodeParams)"

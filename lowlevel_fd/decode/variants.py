@@ -85,14 +85,7 @@ class DecodeVariant:
         paged stages hold every scale as a 4-byte word)."""
         fp16 = self.scale_mode == "token" and self.scale_dtype == "float16"
         scale_size = 2 if fp16 and not self.paged else 4
-        raw = self.tiles * (32 * self.head_dim + 32 * scale_size)
-        return -(-raw // 1024) * 1024 if self._tma_swizzle else raw
-
-    @property
-    def _tma_swizzle(self) -> bool:
-        """Paged stages at head_dim 128 are 1024-byte blocks of a 1024-byte aligned pipeline
-        (cu/decode_pipeline.cuh Stage::kTmaSwizzle)."""
-        return self.paged and self.head_dim == 128
+        return self.tiles * (32 * self.head_dim + 32 * scale_size)
 
     @property
     def split_kernel(self) -> str:
@@ -120,8 +113,7 @@ class DecodeVariant:
         """The warps' pipelines, later reused for their accumulators: every lane's float4 per
         (head block, m-block) (cu/decode_merge.cuh Quads::kPerWarp), or for the global merge's
         weights ((MAX_SPLITS + 2) x GROUP floats)."""
-        pipelines = (self.num_warps * self.stages * self.stage_bytes
-                     + (1024 if self._tma_swizzle else 0))
+        pipelines = self.num_warps * self.stages * self.stage_bytes
         quads = self.num_warps * self._head_blocks * (self.head_dim // 16) * 32 * 16
         return max(pipelines, quads, (MAX_SPLITS + 2) * self.cta_heads * 4)
 
