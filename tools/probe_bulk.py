@@ -50,20 +50,25 @@ class BulkParams(ctypes.Structure):  # bench.cu's BulkParams, field for field
                    ("sink", ctypes.c_uint64)])
 
 
-def side(byte_strides: tuple[int, int, int], item: int, unit_tokens: int,
-         heads: int) -> BulkSide | None:
+def side(byte_strides: tuple[int, int, int], item: int, unit_tokens: int, heads: int,
+         merge: bool = True) -> BulkSide | None:
     """A tile's copies of one kind of row: (unit, head, token) byte strides and the bytes per
-    (token, head) -> the contiguous runs of ``unit_tokens`` tokens of ``heads`` heads (all, or
-    one) in one unit; None where a run would be under the 16 bytes a bulk copy takes."""
+    (token, head) -> the contiguous runs of ``unit_tokens`` tokens of ``heads`` consecutive
+    heads in one unit (adjoining runs merged into one copy unless ``merge`` is off); None
+    where a run would be under the 16 bytes a bulk copy takes."""
     unit, head, token = byte_strides
     if token == item:  # a head's tokens adjoin: one run per head, or one for all heads
-        if head == unit_tokens * item or heads == 1:
+        if heads == 1 or (merge and head == unit_tokens * item):
             run = BulkSide(unit, token, 0, heads * unit_tokens * item, 1)
         else:
             run = BulkSide(unit, token, head, unit_tokens * item, heads)
     elif head == item and token == H * item:  # a token's heads adjoin, then the next token
-        run = (BulkSide(unit, token, 0, unit_tokens * H * item, 1) if heads == H
-               else BulkSide(unit, token, token, heads * item, unit_tokens))
+        if merge and heads == H:
+            run = BulkSide(unit, token, 0, unit_tokens * H * item, 1)
+        elif merge or heads == 1:
+            run = BulkSide(unit, token, token, heads * item, unit_tokens)
+        else:
+            raise ValueError("unmerged runs of several heads: hnd or contiguous bnsh only")
     else:
         raise ValueError(f"no contiguous runs in strides {byte_strides}")
     return run if run.seg_bytes % 16 == 0 else None
@@ -81,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of CTAs per launch (B x splits x 8 / heads per "
                              "CTA; splits rounded down to a power of two, at least 1)")
     parser.add_argument("--scales", default="fp32", help="comma list: fp32 and/or none")
-    parser.add_argument("--heads", default="8", help="comma list of KV heads per CTA: 8 "
-                                                   "(all) and/or 1")
+    parser.add_argument("--heads", default="8", help="comma list of KV heads per CTA (divisors "
+                                                   "of 8)")
+    parser.add_argument("--runs", default="merged",
+                        help="comma list: merged (adjoining runs of a CTA's heads as one copy) "
+                             "and/or split (a copy per head and token run)")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} {'stages':>6} "
-          f"{'splits':>6} {'heads':>5} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
+          f"{'splits':>6} {'heads':>5} {'runs':>6} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
           flush=True)
     for batch, seq_len in parse_shapes(args.shapes):
         tokens = batch * seq_len
@@ -120,13 +128,16 @@ def main(argv: list[str] | None = None) -> int:
             if page:
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales, stages, ctas, heads in itertools.product(
+            for with_scales, stages, ctas, heads, runs in itertools.product(
                     args.scales.split(","), stage_counts, args.ctas.split(","),
-                    [int(h) for h in args.heads.split(",")]):
+                    [int(h) for h in args.heads.split(",")], args.runs.split(",")):
                 on = with_scales == "fp32"
                 splits = 1 << (max(1, int(ctas) * heads // (H * batch)).bit_length() - 1)
-                row_side = side(rows, ROW_BYTES, unit_tokens, heads)
-                scale_side = side(scales, SCALE_BYTES, unit_tokens, heads)
+                try:
+                    row_side = side(rows, ROW_BYTES, unit_tokens, heads, runs == "merged")
+                    scale_side = side(scales, SCALE_BYTES, unit_tokens, heads)
+                except ValueError:
+                    continue
                 stage_bytes = STAGE_BYTES * heads // H
                 if (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
                         or stages * stage_bytes > MAX_SHARED or stages > 16):
@@ -144,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 nbytes = 2 * tokens * H * (D + (SCALE_BYTES if on else 0))
                 rate = gbps(nbytes, stats.median)
-                key = (with_scales, stages, splits, heads)
+                key = (with_scales, stages, splits, heads, runs)
                 base.setdefault(key, stats.median)
                 print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
-                      f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {stats.median:>8.2f} "
+                      f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {runs:>6} "
+                      f"{stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} {rate:>6.0f} "
                       f"{100 * rate / reference:>5.1f}% {stats.median / base[key]:>6.3f}",
                       flush=True)
