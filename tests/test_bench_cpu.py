@@ -421,3 +421,31 @@ def test_probe_gather_heads_together_modes():
     assert heads_together("off") == (None, 0)
     assert heads_together("c8") == ((8, 1, 1), 0)
     assert heads_together("c2/4") == ((2, 1, 1), 4)
+
+
+@pytest.mark.parametrize("layout, page", [("bnsh", 0), ("bsnh", 0), ("hnd", 16), ("nhd", 16),
+                                          ("hnd", 1), ("nhd", 1), ("hnd", 64)])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("merge", [True, False])
+def test_probe_bulk_runs_cover_a_tiles_bytes_exactly(layout, page, heads, merge):
+    """gather_bulk's copies of one unit of a tile (a CTA's first heads, from slot 0) are
+    exactly the bytes of those heads' tokens: rows and scales, each byte once."""
+    import probe_bulk
+    import probe_gather
+    unit_tokens = min(probe_bulk.TILE, page) if page else probe_bulk.TILE
+    rows, scales = probe_gather.strides(layout, 256, page)
+    for strides, item in ((rows, probe_bulk.ROW_BYTES), (scales, probe_bulk.SCALE_BYTES)):
+        try:
+            run = probe_bulk.side(strides, item, unit_tokens, heads, merge)
+        except ValueError:  # several heads of a token row unmerged: not a layout's copy
+            assert layout in ("nhd", "bsnh") and not merge and heads > 1
+            continue
+        _, head, token = strides
+        want = sorted(h * head + t * token + i for h in range(heads)
+                      for t in range(unit_tokens) for i in range(item))
+        if run is None:  # a run under 16 bytes: the probe skips the case
+            assert heads * unit_tokens * item < 16 or min(item * unit_tokens, item * heads) < 16
+            continue
+        got = sorted(s * run.seg_stride + i for s in range(run.segs)
+                     for i in range(run.seg_bytes))
+        assert got == want, (layout, page, heads, merge, item)
