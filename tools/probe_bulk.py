@@ -47,6 +47,7 @@ class BulkParams(ctypes.Structure):  # bench.cu's BulkParams, field for field
                     "seq_len", "splits", "page_shift", "pages_per_seq", "tile_units", "stages",
                     "stage_bytes")]
                 + [("row_head_step", ctypes.c_int64), ("scale_head_step", ctypes.c_int64),
+                   ("warps", ctypes.c_int32), ("lockstep", ctypes.c_int32),
                    ("sink", ctypes.c_uint64)])
 
 
@@ -91,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", default="merged",
                         help="comma list: merged (adjoining runs of a CTA's heads as one copy) "
                              "and/or split (a copy per head and token run)")
+    parser.add_argument("--warps", default="1",
+                        help="comma list: 1 (one warp issues every copy) and/or 8 (with "
+                             "--heads 8 --runs split: warp w copies head w's runs on its own "
+                             "stages, as the decode kernel's warps do)")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="with 8 warps: a CTA barrier per tile, so the heads of a page are "
+                             "fetched together")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} {'stages':>6} "
-          f"{'splits':>6} {'heads':>5} {'runs':>6} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
+          f"{'splits':>6} {'heads':>5} {'runs':>6} {'warps':>5} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
           flush=True)
     for batch, seq_len in parse_shapes(args.shapes):
         tokens = batch * seq_len
@@ -128,19 +136,25 @@ def main(argv: list[str] | None = None) -> int:
             if page:
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales, stages, ctas, heads, runs in itertools.product(
+            for with_scales, stages, ctas, heads, runs, warps in itertools.product(
                     args.scales.split(","), stage_counts, args.ctas.split(","),
-                    [int(h) for h in args.heads.split(",")], args.runs.split(",")):
+                    [int(h) for h in args.heads.split(",")], args.runs.split(","),
+                    [int(w) for w in args.warps.split(",")]):
                 on = with_scales == "fp32"
                 splits = 1 << (max(1, int(ctas) * heads // (H * batch)).bit_length() - 1)
                 try:
                     row_side = side(rows, ROW_BYTES, unit_tokens, heads, runs == "merged")
-                    scale_side = side(scales, SCALE_BYTES, unit_tokens, heads)
+                    scale_side = side(scales, SCALE_BYTES, unit_tokens, heads,
+                                      warps == 1)
                 except ValueError:
                     continue
-                stage_bytes = STAGE_BYTES * heads // H
-                if (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
-                        or stages * stage_bytes > MAX_SHARED or stages > 16):
+                if warps > 1 and (row_side is None or row_side.segs != warps
+                                  or (on and (scale_side is None
+                                              or scale_side.segs != warps))):
+                    continue  # a warp per head needs one run per head
+                stage_bytes = STAGE_BYTES * heads // H // warps
+                if warps * stages > 64 or (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
+                        or warps * stages * stage_bytes > MAX_SHARED or stages > 16):
                     continue  # runs under 16 bytes, S not a multiple of the splits' tiles,
                     # or more stages than shared memory or the kernel's 16 barriers hold
                 p = BulkParams(k.ptr, v.ptr, ks.ptr if on else 0, vs.ptr if on else 0,
@@ -148,17 +162,18 @@ def main(argv: list[str] | None = None) -> int:
                                scale_side or BulkSide(), seq_len, splits,
                                page.bit_length() - 1 if page else 0,
                                seq_len // page if page else 0, TILE // unit_tokens, stages,
-                               stage_bytes, heads * rows[1], heads * scales[1], sink.ptr)
-                launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32,
-                                                     stages * stage_bytes), p)
+                               stage_bytes, heads * rows[1], heads * scales[1], warps,
+                               int(args.lockstep), sink.ptr)
+                launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32 * warps,
+                                                     warps * stages * stage_bytes), p)
                 stats = summarize([1e3 * ms for ms in time_graph(
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 nbytes = 2 * tokens * H * (D + (SCALE_BYTES if on else 0))
                 rate = gbps(nbytes, stats.median)
-                key = (with_scales, stages, splits, heads, runs)
+                key = (with_scales, stages, splits, heads, runs, warps)
                 base.setdefault(key, stats.median)
                 print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
-                      f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {runs:>6} "
+                      f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {runs:>6} {warps:>5} "
                       f"{stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} {rate:>6.0f} "
                       f"{100 * rate / reference:>5.1f}% {stats.median / base[key]:>6.3f}",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 
 from benchlib.stats import summarize
 from benchlib.timing import WorkloadBench
-from benchlib.workloads import Workload, layer_count, parse_shapes
+from benchlib.workloads import SCALE_MODES, Workload, layer_count, parse_shapes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="planner",
                         help="comma list: planner, on (splits merged in a cluster), off "
                              "(merged through global memory)")
+    parser.add_argument("--scales", default="token",
+                        help=f"comma list of scale modes: {', '.join(SCALE_MODES)}")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream
@@ -43,15 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     stages = [(int(s), int(t), int(n), c) for s in args.stages.split(",")
               for t in args.tiles.split(",") for n in args.splits.split(",")
               for c in args.cluster.split(",")]
-    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'store':>5} {'st/t':>6} "
-          f"{'splits':>7} {'us':>8} {'ratio':>6}")
-    for batch, seq_len in parse_shapes(args.shapes):
-        variants = [Workload(batch, seq_len, kv_layout=layout)
+    print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>5} {'order':>8} {'store':>5} "
+          f"{'scales':>10} {'st/t':>6} {'splits':>7} {'us':>8} {'ratio':>6}")
+    for (batch, seq_len), scales in itertools.product(parse_shapes(args.shapes),
+                                                      args.scales.split(",")):
+        mode, scale_dtype = SCALE_MODES[scales]
+        variants = [Workload(batch, seq_len, kv_layout=layout, scale_mode=mode,
+                             scale_dtype=scale_dtype)
                     for layout in args.contiguous.split(",")] + [
             Workload(batch, seq_len, kv_layout=layout, page_size=int(page), page_order=order,
-                     page_slot=storage == "slot")
+                     page_slot=storage == "slot", scale_mode=mode, scale_dtype=scale_dtype)
             for layout in args.layouts.split(",") for page in args.pages.split(",")
-            for order in args.orders.split(",") for storage in args.storage.split(",")]
+            for order in args.orders.split(",") for storage in args.storage.split(",")
+            if mode == "token" or storage != "slot"]
         base = None
         for work in variants:
             bench = WorkloadBench(work, layer_count(work.bytes_per_layer,
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{batch:>4} {seq_len:>6} {work.kv_layout:>6} {work.page_size:>5} "
                           f"{work.page_order if work.page_size else '-':>8} "
                           f"{'slot' if work.page_slot else ('pools' if work.page_size else '-'):>5} "
+                          f"{scales:>10} "
                           f"{bench.plan.describe()['stages']:>3}/t{bench.plan.describe()['tiles']}"
                           f" {bench.plan.describe()['num_splits']:>4}"
                           f"{'c' if bench.plan.describe()['cluster'] else 'g':>3}"

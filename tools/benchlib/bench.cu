@@ -190,6 +190,9 @@ struct BulkParams {
   int tile_units;  // units (pages) per 16-token tile: 16 / page_size below 16, else 1
   int stages, stage_bytes;
   long long row_head_step, scale_head_step;  // bytes from one CTA's first head to the next's
+  // warps 1: one warp issues every copy. warps = segs: warp w issues segment w (a head) on its
+  // own stages and barriers, as the decode kernel's warps do; lockstep: a CTA barrier per tile.
+  int warps, lockstep;
   unsigned long long* sink;
 };
 
@@ -211,10 +214,12 @@ __device__ __forceinline__ bool bar_try_wait(uint32_t bar, uint32_t parity) {
 
 }  // namespace llfd
 
-extern "C" __global__ void __launch_bounds__(32) gather_bulk(const BulkParams p) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ __align__(8) uint64_t bars[16];
-  const int lane = threadIdx.x, b = blockIdx.y;
+extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p) {
+  extern __shared__ __align__(128) char smem_all[];
+  __shared__ __align__(8) uint64_t bars_all[64];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, b = blockIdx.y;
+  char* const smem = smem_all + warp * p.stages * p.stage_bytes;
+  uint64_t* const bars = bars_all + warp * p.stages;
   const int chunk = p.seq_len / p.splits, start = blockIdx.x * chunk, end = start + chunk;
   const int tiles = chunk / 16, unit_tokens = 16 / p.tile_units;
   const uint32_t base = llfd::shared_address(smem), bar0 = llfd::shared_address(bars);
@@ -224,8 +229,10 @@ extern "C" __global__ void __launch_bounds__(32) gather_bulk(const BulkParams p)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
-  const int row_copies = p.tile_units * p.rows.segs;
-  const int scale_copies = p.k_scale != nullptr ? p.tile_units * p.scales.segs : 0;
+  const int row_segs = p.warps > 1 ? 1 : p.rows.segs;
+  const int scale_segs = p.warps > 1 ? 1 : p.scales.segs;
+  const int row_copies = p.tile_units * row_segs;
+  const int scale_copies = p.k_scale != nullptr ? p.tile_units * scale_segs : 0;
   const int tx = 2 * (row_copies * p.rows.seg_bytes + scale_copies * p.scales.seg_bytes);
   auto issue = [&](int stage, int t0) {
     const uint32_t bar = bar0 + 8 * stage, dst = base + stage * p.stage_bytes;
@@ -234,7 +241,8 @@ extern "C" __global__ void __launch_bounds__(32) gather_bulk(const BulkParams p)
                    : "memory");
     __syncwarp();
     auto source = [&](const BulkSide& side, int i) {
-      const int u = i / side.segs, seg = i % side.segs, pos = t0 + u * unit_tokens;
+      const int per = p.warps > 1 ? 1 : side.segs;
+      const int u = i / per, seg = p.warps > 1 ? warp : i % per, pos = t0 + u * unit_tokens;
       long long unit = b, slot = pos;
       if (p.table != nullptr) {
         unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
@@ -261,6 +269,7 @@ extern "C" __global__ void __launch_bounds__(32) gather_bulk(const BulkParams p)
   uint32_t acc = 0;
   for (int j = 0; j < tiles; ++j) {
     const int stage = j % p.stages;
+    if (p.lockstep) __syncthreads();
     while (!llfd::bar_try_wait(bar0 + 8 * stage, (j / p.stages) & 1)) {
     }
     acc ^= reinterpret_cast<const uint32_t*>(smem + stage * p.stage_bytes)[lane];
