@@ -48,6 +48,7 @@ class BulkParams(ctypes.Structure):  # bench.cu's BulkParams, field for field
                     "stage_bytes")]
                 + [("row_head_step", ctypes.c_int64), ("scale_head_step", ctypes.c_int64),
                    ("warps", ctypes.c_int32), ("lockstep", ctypes.c_int32),
+                   ("interleave", ctypes.c_int32),
                    ("sink", ctypes.c_uint64)])
 
 
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lockstep", action="store_true",
                         help="with 8 warps: a CTA barrier per tile, so the heads of a page are "
                              "fetched together")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with several warps: warp w copies all of the CTA's heads of tiles "
+                             "w, w + warps, ... (the decode kernel's order of tiles), instead of "
+                             "one head each")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -148,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                                       warps == 1)
                 except ValueError:
                     continue
-                if warps > 1 and (row_side is None or row_side.segs != warps
-                                  or (on and (scale_side is None
-                                              or scale_side.segs != warps))):
+                if warps > 1 and not args.interleave and (
+                        row_side is None or row_side.segs != warps
+                        or (on and (scale_side is None or scale_side.segs != warps))):
                     continue  # a warp per head needs one run per head
-                stage_bytes = STAGE_BYTES * heads // H // warps
+                stage_bytes = STAGE_BYTES * heads // H // (1 if args.interleave else warps)
+                if args.interleave and args.lockstep and (seq_len // splits // TILE) % warps:
+                    continue  # lockstep needs as many tiles per warp
                 if warps * stages > 64 or (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
                         or warps * stages * stage_bytes > MAX_SHARED or stages > 16):
                     continue  # runs under 16 bytes, S not a multiple of the splits' tiles,
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                page.bit_length() - 1 if page else 0,
                                seq_len // page if page else 0, TILE // unit_tokens, stages,
                                stage_bytes, heads * rows[1], heads * scales[1], warps,
-                               int(args.lockstep), sink.ptr)
+                               int(args.lockstep), int(args.interleave), sink.ptr)
                 launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32 * warps,
                                                      warps * stages * stage_bytes), p)
                 stats = summarize([1e3 * ms for ms in time_graph(

@@ -193,6 +193,7 @@ struct BulkParams {
   // warps 1: one warp issues every copy. warps = segs: warp w issues segment w (a head) on its
   // own stages and barriers, as the decode kernel's warps do; lockstep: a CTA barrier per tile.
   int warps, lockstep;
+  int interleave;  // with warps > 1: warp w copies every segment of tiles w, w + warps, ...
   unsigned long long* sink;
 };
 
@@ -229,8 +230,9 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
-  const int row_segs = p.warps > 1 ? 1 : p.rows.segs;
-  const int scale_segs = p.warps > 1 ? 1 : p.scales.segs;
+  const bool per_head = p.warps > 1 && !p.interleave;  // warp w: segment w of every tile
+  const int row_segs = per_head ? 1 : p.rows.segs;
+  const int scale_segs = per_head ? 1 : p.scales.segs;
   const int row_copies = p.tile_units * row_segs;
   const int scale_copies = p.k_scale != nullptr ? p.tile_units * scale_segs : 0;
   const int tx = 2 * (row_copies * p.rows.seg_bytes + scale_copies * p.scales.seg_bytes);
@@ -240,43 +242,47 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(tx)
                    : "memory");
     __syncwarp();
-    auto source = [&](const BulkSide& side, int i) {
-      const int per = p.warps > 1 ? 1 : side.segs;
-      const int u = i / per, seg = p.warps > 1 ? warp : i % per, pos = t0 + u * unit_tokens;
+    auto source = [&](const BulkSide& side, long long head_step, int i) {
+      const int per = per_head ? 1 : side.segs;
+      const int u = i / per, seg = per_head ? warp : i % per, pos = t0 + u * unit_tokens;
       long long unit = b, slot = pos;
       if (p.table != nullptr) {
         unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
         slot = pos & ((1 << p.page_shift) - 1);
       }
       return unit * side.unit_stride + slot * side.token_stride + seg * side.seg_stride +
-             blockIdx.z * (&side == &p.rows ? p.row_head_step : p.scale_head_step);
+             blockIdx.z * head_step;
     };
     for (int i = lane; i < row_copies; i += 32) {
-      const long long at = source(p.rows, i);
+      const long long at = source(p.rows, p.row_head_step, i);
       const uint32_t to = dst + i * p.rows.seg_bytes;
       llfd::bulk_copy(to, p.k + at, p.rows.seg_bytes, bar);
       llfd::bulk_copy(to + row_copies * p.rows.seg_bytes, p.v + at, p.rows.seg_bytes, bar);
     }
     for (int i = lane; i < scale_copies; i += 32) {
-      const long long at = source(p.scales, i);
+      const long long at = source(p.scales, p.scale_head_step, i);
       const uint32_t to = dst + 2 * row_copies * p.rows.seg_bytes + i * p.scales.seg_bytes;
       llfd::bulk_copy(to, p.k_scale + at, p.scales.seg_bytes, bar);
       llfd::bulk_copy(to + scale_copies * p.scales.seg_bytes, p.v_scale + at,
                       p.scales.seg_bytes, bar);
     }
   };
-  for (int j = 0; j < p.stages && j < tiles; ++j) issue(j, start + 16 * j);
+  // This warp's tiles: all of them, or (interleave) every warps-th from its own.
+  const int w0 = p.interleave ? warp : 0, wstep = p.interleave ? p.warps : 1;
+  const int mine = tiles > w0 ? (tiles - w0 + wstep - 1) / wstep : 0;
+  auto tile_start = [&](int j) { return start + 16 * (w0 + wstep * j); };
+  for (int j = 0; j < p.stages && j < mine; ++j) issue(j, tile_start(j));
   uint32_t acc = 0;
-  for (int j = 0; j < tiles; ++j) {
+  for (int j = 0; j < mine; ++j) {
     const int stage = j % p.stages;
-    if (p.lockstep) __syncthreads();
+    if (p.lockstep) __syncthreads();  // every warp has as many tiles (the host checks)
     while (!llfd::bar_try_wait(bar0 + 8 * stage, (j / p.stages) & 1)) {
     }
     acc ^= reinterpret_cast<const uint32_t*>(smem + stage * p.stage_bytes)[lane];
     // the generic read above before the async proxy's next write of the stage
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
-    if (j + p.stages < tiles) issue(stage, start + 16 * (j + p.stages));
+    if (j + p.stages < mine) issue(stage, tile_start(j + p.stages));
   }
   if (acc == 0x8badf00du && end > 0) *p.sink = acc;
 }
