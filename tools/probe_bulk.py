@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import itertools
 import sys
+from typing import Any
 
 import numpy as np
 from benchlib.kernels import bench_kernel, fill_random, measure_read_bandwidth
@@ -31,7 +32,7 @@ from probe_gather import MIN_BYTES, D, H, strides
 TILE = 16
 ROW_BYTES, SCALE_BYTES = D, 4
 STAGE_BYTES = 2 * TILE * H * (ROW_BYTES + SCALE_BYTES)  # K, V rows and scales of one tile
-MAX_SHARED = 6 * STAGE_BYTES  # within the H100's 227 KiB per CTA
+MAX_SHARED = 6 * STAGE_BYTES  # within the H100's 227 KiB per CTA (and 1 KiB to align it)
 
 
 class BulkSide(ctypes.Structure):  # bench.cu's BulkSide
@@ -48,7 +49,7 @@ class BulkParams(ctypes.Structure):  # bench.cu's BulkParams, field for field
                     "stage_bytes")]
                 + [("row_head_step", ctypes.c_int64), ("scale_head_step", ctypes.c_int64),
                    ("warps", ctypes.c_int32), ("lockstep", ctypes.c_int32),
-                   ("interleave", ctypes.c_int32),
+                   ("interleave", ctypes.c_int32), ("tensor_maps", ctypes.c_uint64),
                    ("sink", ctypes.c_uint64)])
 
 
@@ -74,6 +75,44 @@ def side(byte_strides: tuple[int, int, int], item: int, unit_tokens: int, heads:
     else:
         raise ValueError(f"no contiguous runs in strides {byte_strides}")
     return run if run.seg_bytes % 16 == 0 else None
+
+
+_tensor_maps: dict[tuple, Any] = {}
+
+
+def maps(copies: str, layout: str, k, v, seq_len: int, page: int) -> int:
+    """Device address of the K and V pools' tensor maps for --copies tensor / tensor128 (dims:
+    a row's bytes, tokens of a sequence or page, heads, sequences or pages; box 128 x 16), or
+    0 for plain bulk copies. Encoded once per pool and kept for the run."""
+    if copies == "bulk":
+        return 0
+    import struct
+
+    import numpy as np
+    from cuda.bindings import driver as d
+
+    from lowlevel_fd.driver import DeviceArray
+    from lowlevel_fd.driver._api import cu
+    key = (copies, layout, k.ptr, v.ptr, seq_len, page)
+    if key not in _tensor_maps:
+        rows = strides(layout, seq_len, page)[0]
+        tokens = page or seq_len
+        units = k.nbytes // rows[0]
+        swizzle = (d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if copies == "tensor128"
+                   else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)
+        blob = b""
+        for pool in (k, v):
+            tensor_map = cu.cuTensorMapEncodeTiled(
+                d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, pool.ptr,
+                [d.cuuint64_t(x) for x in (D, tokens, H, units)],
+                [d.cuuint64_t(x) for x in (rows[2], rows[1], rows[0])],
+                [d.cuuint32_t(x) for x in (D, TILE, 1, 1)], [d.cuuint32_t(1)] * 4,
+                d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+            blob += struct.pack("16Q", *[int(word) for word in tensor_map.opaque])
+        _tensor_maps[key] = DeviceArray.from_numpy(np.frombuffer(blob, np.uint8), k.device)
+    return _tensor_maps[key].ptr
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with several warps: warp w copies all of the CTA's heads of tiles "
                              "w, w + warps, ... (the decode kernel's order of tiles), instead of "
                              "one head each")
+    parser.add_argument("--copies", default="bulk",
+                        help="comma list: bulk (cp.async.bulk), tensor (bulk tensor copies, no "
+                             "swizzle), tensor128 (128-byte swizzle); tensor needs --heads 1 and "
+                             "bnsh or hnd")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -114,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"read reference {reference:.0f} GB/s", flush=True)
     kernel = bench_kernel(device, "gather_bulk")
     stage_counts = [int(s) for s in args.stages.split(",")]
-    kernel.allow_dynamic_shared(MAX_SHARED)
+    kernel.allow_dynamic_shared(MAX_SHARED + 1024)
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} {'stages':>6} "
-          f"{'splits':>6} {'heads':>5} {'runs':>6} {'warps':>5} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
+          f"{'splits':>6} {'heads':>5} {'runs':>6} {'warps':>5} {'copies':>9} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
           flush=True)
     for batch, seq_len in parse_shapes(args.shapes):
         tokens = batch * seq_len
@@ -141,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             if page:
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales, stages, ctas, heads, runs, warps in itertools.product(
+            for with_scales, stages, ctas, heads, runs, warps, copies in itertools.product(
                     args.scales.split(","), stage_counts, args.ctas.split(","),
                     [int(h) for h in args.heads.split(",")], args.runs.split(","),
-                    [int(w) for w in args.warps.split(",")]):
+                    [int(w) for w in args.warps.split(",")], args.copies.split(",")):
+                if copies != "bulk" and (heads != 1 or layout not in ("bnsh", "hnd")):
+                    continue
                 on = with_scales == "fp32"
                 splits = 1 << (max(1, int(ctas) * heads // (H * batch)).bit_length() - 1)
                 try:
@@ -158,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                         or (on and (scale_side is None or scale_side.segs != warps))):
                     continue  # a warp per head needs one run per head
                 stage_bytes = STAGE_BYTES * heads // H // (1 if args.interleave else warps)
+                if copies != "bulk":  # whole 1 KiB blocks: the swizzle's period
+                    stage_bytes = -(-stage_bytes // 1024) * 1024
                 if args.interleave and args.lockstep and (seq_len // splits // TILE) % warps:
                     continue  # lockstep needs as many tiles per warp
                 if warps * stages > 64 or (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
@@ -170,25 +217,28 @@ def main(argv: list[str] | None = None) -> int:
                                page.bit_length() - 1 if page else 0,
                                seq_len // page if page else 0, TILE // unit_tokens, stages,
                                stage_bytes, heads * rows[1], heads * scales[1], warps,
-                               int(args.lockstep), int(args.interleave), sink.ptr)
+                               int(args.lockstep), int(args.interleave),
+                               maps(copies, layout, k, v, seq_len, page), sink.ptr)
                 launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32 * warps,
-                                                     warps * stages * stage_bytes), p)
+                                                     warps * stages * stage_bytes + 1024), p)
                 stats = summarize([1e3 * ms for ms in time_graph(
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 nbytes = 2 * tokens * H * (D + (SCALE_BYTES if on else 0))
                 rate = gbps(nbytes, stats.median)
-                key = (with_scales, stages, splits, heads, runs, warps)
+                key = (with_scales, stages, splits, heads, runs, warps, copies)
                 base.setdefault(key, stats.median)
                 print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
                       f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {runs:>6} {warps:>5} "
+                      f"{copies:>9} "
                       f"{stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} {rate:>6.0f} "
                       f"{100 * rate / reference:>5.1f}% {stats.median / base[key]:>6.3f}",
                       flush=True)
             if table is not None:
                 table.close()
-        for array in pools:
+        for array in [*pools, *_tensor_maps.values()]:
             array.close()
+        _tensor_maps.clear()
     sink.close()
     stream.close()
     return 0

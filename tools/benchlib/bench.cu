@@ -194,6 +194,10 @@ struct BulkParams {
   // own stages and barriers, as the decode kernel's warps do; lockstep: a CTA barrier per tile.
   int warps, lockstep;
   int interleave;  // with warps > 1: warp w copies every segment of tiles w, w + warps, ...
+  // Not null: the rows come by bulk tensor copies (one 128-byte x tokens box per segment) from
+  // the K and V tensor maps here (two CUtensorMap in global memory; dims: bytes of a row,
+  // tokens of a unit, heads, units), one head per CTA.
+  const char* tensor_maps;
   unsigned long long* sink;
 };
 
@@ -219,7 +223,9 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
   extern __shared__ __align__(128) char smem_all[];
   __shared__ __align__(8) uint64_t bars_all[64];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, b = blockIdx.y;
-  char* const smem = smem_all + warp * p.stages * p.stage_bytes;
+  // 1024-byte aligned (the host asks for 1 KiB more): a 128-byte swizzle's pattern repeats so.
+  char* const aligned = smem_all + ((1024 - llfd::shared_address(smem_all) % 1024) % 1024);
+  char* const smem = aligned + warp * p.stages * p.stage_bytes;
   uint64_t* const bars = bars_all + warp * p.stages;
   const int chunk = p.seq_len / p.splits, start = blockIdx.x * chunk, end = start + chunk;
   const int tiles = chunk / 16, unit_tokens = 16 / p.tile_units;
@@ -228,6 +234,10 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
     for (int s = 0; s < p.stages; ++s)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (p.tensor_maps != nullptr)
+      for (int kv = 0; kv < 2; ++kv)
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
+                     ::"l"(p.tensor_maps + 128 * kv) : "memory");
   }
   __syncwarp();
   const bool per_head = p.warps > 1 && !p.interleave;  // warp w: segment w of every tile
@@ -254,8 +264,25 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
              blockIdx.z * head_step;
     };
     for (int i = lane; i < row_copies; i += 32) {
-      const long long at = source(p.rows, p.row_head_step, i);
       const uint32_t to = dst + i * p.rows.seg_bytes;
+      if (p.tensor_maps != nullptr) {
+        const int pos = t0 + i * unit_tokens;
+        int unit = b, slot = pos;
+        if (p.table != nullptr) {
+          unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
+          slot = pos & ((1 << p.page_shift) - 1);
+        }
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv)
+          asm volatile(
+              "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+              " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+              ::"r"(to + kv * row_copies * p.rows.seg_bytes), "l"(p.tensor_maps + 128 * kv),
+                "r"(0), "r"(slot), "r"(static_cast<int>(blockIdx.z)), "r"(unit), "r"(bar)
+              : "memory");
+        continue;
+      }
+      const long long at = source(p.rows, p.row_head_step, i);
       llfd::bulk_copy(to, p.k + at, p.rows.seg_bytes, bar);
       llfd::bulk_copy(to + row_copies * p.rows.seg_bytes, p.v + at, p.rows.seg_bytes, bar);
     }
