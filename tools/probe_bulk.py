@@ -50,6 +50,7 @@ class BulkParams(ctypes.Structure):  # bench.cu's BulkParams, field for field
                 + [("row_head_step", ctypes.c_int64), ("scale_head_step", ctypes.c_int64),
                    ("warps", ctypes.c_int32), ("lockstep", ctypes.c_int32),
                    ("interleave", ctypes.c_int32), ("tensor_maps", ctypes.c_uint64),
+                   ("delay", ctypes.c_int32),
                    ("sink", ctypes.c_uint64)])
 
 
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list: bulk (cp.async.bulk), tensor (bulk tensor copies, no "
                              "swizzle), tensor128 (128-byte swizzle); tensor needs --heads 1 and "
                              "bnsh or hnd")
+    parser.add_argument("--delay", default="0",
+                        help="comma list of cycles each warp spins per tile once it has landed "
+                             "(stands in for the math)")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} {'stages':>6} "
-          f"{'splits':>6} {'heads':>5} {'runs':>6} {'warps':>5} {'copies':>9} {'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
+          f"{'splits':>6} {'heads':>5} {'runs':>6} {'warps':>5} {'copies':>9} {'delay':>6} "
+          f"{'us':>8} {'p20':>8} {'p80':>8} {'GB/s':>6} {'%ref':>6} {'ratio':>6}",
           flush=True)
     for batch, seq_len in parse_shapes(args.shapes):
         tokens = batch * seq_len
@@ -184,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             if page:
                 ids = page_ids(order, tokens // page, rows[0], rng, seq_len // page)
                 table = DeviceArray.from_numpy(ids.astype(np.int32), device)
-            for with_scales, stages, ctas, heads, runs, warps, copies in itertools.product(
+            for with_scales, stages, ctas, heads, runs, warps, copies, delay in itertools.product(
                     args.scales.split(","), stage_counts, args.ctas.split(","),
                     [int(h) for h in args.heads.split(",")], args.runs.split(","),
-                    [int(w) for w in args.warps.split(",")], args.copies.split(",")):
+                    [int(w) for w in args.warps.split(",")], args.copies.split(","),
+                    [int(c) for c in args.delay.split(",")]):
                 if copies != "bulk" and (heads != 1 or layout not in ("bnsh", "hnd")):
                     continue
                 on = with_scales == "fp32"
@@ -218,18 +224,18 @@ def main(argv: list[str] | None = None) -> int:
                                seq_len // page if page else 0, TILE // unit_tokens, stages,
                                stage_bytes, heads * rows[1], heads * scales[1], warps,
                                int(args.lockstep), int(args.interleave),
-                               maps(copies, layout, k, v, seq_len, page), sink.ptr)
+                               maps(copies, layout, k, v, seq_len, page), delay, sink.ptr)
                 launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32 * warps,
                                                      warps * stages * stage_bytes + 1024), p)
                 stats = summarize([1e3 * ms for ms in time_graph(
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 nbytes = 2 * tokens * H * (D + (SCALE_BYTES if on else 0))
                 rate = gbps(nbytes, stats.median)
-                key = (with_scales, stages, splits, heads, runs, warps, copies)
+                key = (with_scales, stages, splits, heads, runs, warps, copies, delay)
                 base.setdefault(key, stats.median)
                 print(f"{batch:>4} {seq_len:>6} {layout:>6} {page or '-':>4} {order:>8} "
                       f"{with_scales:>6} {stages:>6} {splits:>6} {heads:>5} {runs:>6} {warps:>5} "
-                      f"{copies:>9} "
+                      f"{copies:>9} {delay:>6} "
                       f"{stats.median:>8.2f} "
                       f"{stats.p20:>8.2f} {stats.p80:>8.2f} {rate:>6.0f} "
                       f"{100 * rate / reference:>5.1f}% {stats.median / base[key]:>6.3f}",

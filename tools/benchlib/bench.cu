@@ -198,6 +198,7 @@ struct BulkParams {
   // the K and V tensor maps here (two CUtensorMap in global memory; dims: bytes of a row,
   // tokens of a unit, heads, units), one head per CTA.
   const char* tensor_maps;
+  int delay;  // cycles each warp spins per tile after it lands (stands in for the math)
   unsigned long long* sink;
 };
 
@@ -306,6 +307,11 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
     while (!llfd::bar_try_wait(bar0 + 8 * stage, (j / p.stages) & 1)) {
     }
     acc ^= reinterpret_cast<const uint32_t*>(smem + stage * p.stage_bytes)[lane];
+    if (p.delay > 0) {
+      const long long until = clock64() + p.delay;
+      while (clock64() < until) {
+      }
+    }
     // the generic read above before the async proxy's next write of the stage
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
