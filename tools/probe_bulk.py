@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay", default="0",
                         help="comma list of cycles each warp spins per tile once it has landed "
                              "(stands in for the math)")
+    parser.add_argument("--extra-shared", type=int, default=0,
+                        help="KiB of shared memory each CTA asks for beyond its stages (fewer "
+                             "CTAs per SM)")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
@@ -161,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"read reference {reference:.0f} GB/s", flush=True)
     kernel = bench_kernel(device, "gather_bulk")
     stage_counts = [int(s) for s in args.stages.split(",")]
-    kernel.allow_dynamic_shared(MAX_SHARED + 1024)
+    # the static barriers and 1 KiB of alignment come out of the device's limit
+    kernel.allow_dynamic_shared(min(MAX_SHARED + 1024 + 1024 * args.extra_shared,
+                                    device.info.max_shared_per_block_optin - 1024))
     sink = DeviceArray.full(1, 0, np.uint64, device)
     rng = np.random.default_rng(0)
     print(f"{'B':>4} {'S':>6} {'layout':>6} {'page':>4} {'order':>8} {'scales':>6} {'stages':>6} "
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.interleave and args.lockstep and (seq_len // splits // TILE) % warps:
                     continue  # lockstep needs as many tiles per warp
                 if warps * stages > 64 or (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
-                        or warps * stages * stage_bytes > MAX_SHARED or stages > 16):
+                        or warps * stages * stage_bytes + 1024 * args.extra_shared > MAX_SHARED
+                        or stages > 16):
                     continue  # runs under 16 bytes, S not a multiple of the splits' tiles,
                     # or more stages than shared memory or the kernel's 16 barriers hold
                 p = BulkParams(k.ptr, v.ptr, ks.ptr if on else 0, vs.ptr if on else 0,
@@ -226,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                                int(args.lockstep), int(args.interleave),
                                maps(copies, layout, k, v, seq_len, page), delay, sink.ptr)
                 launch = kernel.prepare(LaunchConfig((splits, batch, H // heads), 32 * warps,
-                                                     warps * stages * stage_bytes + 1024), p)
+                                                     warps * stages * stage_bytes + 1024
+                                                     + 1024 * args.extra_shared), p)
                 stats = summarize([1e3 * ms for ms in time_graph(
                     lambda: launch.launch(stream), stream, warmup=5, iters=args.iters)])
                 nbytes = 2 * tokens * H * (D + (SCALE_BYTES if on else 0))
