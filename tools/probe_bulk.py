@@ -116,7 +116,40 @@ def maps(copies: str, layout: str, k, v, seq_len: int, page: int) -> int:
     return _tensor_maps[key].ptr
 
 
-def main(argv: list[str] | None = None) -> int:
+def plan_case(args: argparse.Namespace, layout: str, page: int, seq_len: int, batch: int,
+              on: bool, stages: int, ctas: str, heads: int, runs: str, warps: int,
+              copies: str) -> tuple | None:
+    """(row runs, scale runs, splits, stage bytes) of one case, or None where the kernel cannot
+    run it: tensor copies other than one head of bnsh / hnd, runs under 16 bytes, a warp per
+    head without one run per head, lockstep with uneven tiles per warp, S not a multiple of
+    the splits' tiles, more stages than shared memory or the kernel's 64 barriers hold."""
+    if copies != "bulk" and (heads != 1 or layout not in ("bnsh", "hnd")):
+        return None
+    unit_tokens = min(TILE, page) if page else TILE
+    rows, scales = strides(layout, seq_len, page)
+    splits = 1 << (max(1, int(ctas) * heads // (H * batch)).bit_length() - 1)
+    try:
+        row_side = side(rows, ROW_BYTES, unit_tokens, heads, runs == "merged")
+        scale_side = side(scales, SCALE_BYTES, unit_tokens, heads, warps == 1)
+    except ValueError:
+        return None
+    if row_side is None or (on and scale_side is None):
+        return None
+    if warps > 1 and not args.interleave and (
+            row_side.segs != warps or (on and scale_side.segs != warps)):
+        return None
+    stage_bytes = STAGE_BYTES * heads // H // (1 if args.interleave else warps)
+    if copies != "bulk":  # whole 1 KiB blocks: the swizzle's period
+        stage_bytes = -(-stage_bytes // 1024) * 1024
+    if args.interleave and args.lockstep and (seq_len // splits // TILE) % warps:
+        return None
+    if (seq_len % (TILE * splits) or warps * stages > 64 or stages > 16
+            or warps * stages * stage_bytes + 1024 * args.extra_shared > MAX_SHARED):
+        return None
+    return row_side, scale_side, splits, stage_bytes
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="32,4096;64,8192;128,2048", help="'B,S;B,S;...'")
     parser.add_argument("--pages", default="16,1", help="comma list of page sizes (<= 16)")
@@ -155,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="KiB of shared memory each CTA asks for beyond its stages (fewer "
                              "CTAs per SM)")
     parser.add_argument("--iters", type=int, default=30)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from lowlevel_fd.driver import Device, DeviceArray, LaunchConfig, Stream
     from lowlevel_fd.timing import time_graph
 
@@ -199,30 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                     [int(h) for h in args.heads.split(",")], args.runs.split(","),
                     [int(w) for w in args.warps.split(",")], args.copies.split(","),
                     [int(c) for c in args.delay.split(",")]):
-                if copies != "bulk" and (heads != 1 or layout not in ("bnsh", "hnd")):
-                    continue
                 on = with_scales == "fp32"
-                splits = 1 << (max(1, int(ctas) * heads // (H * batch)).bit_length() - 1)
-                try:
-                    row_side = side(rows, ROW_BYTES, unit_tokens, heads, runs == "merged")
-                    scale_side = side(scales, SCALE_BYTES, unit_tokens, heads,
-                                      warps == 1)
-                except ValueError:
+                case = plan_case(args, layout, page, seq_len, batch, on, stages, ctas, heads,
+                                 runs, warps, copies)
+                if case is None:
                     continue
-                if warps > 1 and not args.interleave and (
-                        row_side is None or row_side.segs != warps
-                        or (on and (scale_side is None or scale_side.segs != warps))):
-                    continue  # a warp per head needs one run per head
-                stage_bytes = STAGE_BYTES * heads // H // (1 if args.interleave else warps)
-                if copies != "bulk":  # whole 1 KiB blocks: the swizzle's period
-                    stage_bytes = -(-stage_bytes // 1024) * 1024
-                if args.interleave and args.lockstep and (seq_len // splits // TILE) % warps:
-                    continue  # lockstep needs as many tiles per warp
-                if warps * stages > 64 or (row_side is None or (on and scale_side is None) or seq_len % (TILE * splits)
-                        or warps * stages * stage_bytes + 1024 * args.extra_shared > MAX_SHARED
-                        or stages > 16):
-                    continue  # runs under 16 bytes, S not a multiple of the splits' tiles,
-                    # or more stages than shared memory or the kernel's 16 barriers hold
+                row_side, scale_side, splits, stage_bytes = case
                 p = BulkParams(k.ptr, v.ptr, ks.ptr if on else 0, vs.ptr if on else 0,
                                table.ptr if table else 0, row_side,
                                scale_side or BulkSide(), seq_len, splits,
