@@ -253,26 +253,27 @@ extern "C" __global__ void __launch_bounds__(256) gather_bulk(const BulkParams p
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(tx)
                    : "memory");
     __syncwarp();
-    auto source = [&](const BulkSide& side, long long head_step, int i) {
-      const int per = per_head ? 1 : side.segs;
-      const int u = i / per, seg = per_head ? warp : i % per, pos = t0 + u * unit_tokens;
-      long long unit = b, slot = pos;
+    // The sequence or page of token `pos`, and its slot there.
+    auto unit_slot = [&](int pos, int& unit, int& slot) {
+      unit = b, slot = pos;
       if (p.table != nullptr) {
         unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
         slot = pos & ((1 << p.page_shift) - 1);
       }
-      return unit * side.unit_stride + slot * side.token_stride + seg * side.seg_stride +
-             blockIdx.z * head_step;
+    };
+    auto source = [&](const BulkSide& side, long long head_step, int i) {
+      const int per = per_head ? 1 : side.segs;
+      const int u = i / per, seg = per_head ? warp : i % per;
+      int unit, slot;
+      unit_slot(t0 + u * unit_tokens, unit, slot);
+      return static_cast<long long>(unit) * side.unit_stride + slot * side.token_stride +
+             seg * side.seg_stride + blockIdx.z * head_step;
     };
     for (int i = lane; i < row_copies; i += 32) {
       const uint32_t to = dst + i * p.rows.seg_bytes;
-      if (p.tensor_maps != nullptr) {
-        const int pos = t0 + i * unit_tokens;
-        int unit = b, slot = pos;
-        if (p.table != nullptr) {
-          unit = __ldg(p.table + b * p.pages_per_seq + (pos >> p.page_shift));
-          slot = pos & ((1 << p.page_shift) - 1);
-        }
+      if (p.tensor_maps != nullptr) {  // one head per CTA: segment i is unit i's run
+        int unit, slot;
+        unit_slot(t0 + i * unit_tokens, unit, slot);
 #pragma unroll
         for (int kv = 0; kv < 2; ++kv)
           asm volatile(
