@@ -452,3 +452,58 @@ def test_probe_bulk_runs_cover_a_tiles_bytes_exactly(layout, page, heads, merge)
         got = sorted(s * run.seg_stride + i for s in range(run.segs)
                      for i in range(run.seg_bytes))
         assert got == want, (layout, page, heads, merge, item)
+
+
+# -- the heads-together probe kernel (tools/benchlib/heads.cu, PERF_NOTES v32) -------------------
+def _swizzled_phase_conflicts(sigma) -> int:
+    """The worst bank conflict of heads.cu's fragment reads on TMA's 128-byte swizzle, with
+    tile rows permuted by ``sigma``: every LDS.128 phase (8 lanes) must touch 8 different
+    16-byte bank groups. Line L's chunk c sits at group c ^ (L & 7); a head's lines are
+    16 * head + token, so L & 7 = token & 7."""
+    worst = 1
+    reads = []  # per read instruction: (lane -> bank group)
+    for half, u in itertools.product(range(2), range(2)):  # K: rows g, g + 8; chunks 4u + c
+        reads.append([((4 * u + lane % 4) ^ ((sigma[lane // 4] + 8 * half) & 7))
+                      for lane in range(32)])
+    for slot in range(4):  # V: k-slots 2c, 2c + 1, 2c + 8, 2c + 9; chunk g
+        reads.append([(lane // 4) ^ (sigma[2 * (lane % 4) + (slot & 1)] & 7)
+                      for lane in range(32)])
+    for groups in reads:
+        for phase in range(4):
+            lanes = groups[8 * phase:8 * phase + 8]
+            worst = max(worst, max(lanes.count(x) for x in lanes))
+    return worst
+
+
+def test_heads_probe_token_permutation_makes_the_fragment_reads_conflict_free():
+    from benchlib import heads
+    assert sorted(heads.SIGMA) == list(range(8))
+    packed = sum(s << (4 * r) for r, s in enumerate(heads.SIGMA))
+    assert f"0x{packed:08x}u" in (ROOT / "tools" / "benchlib" / "heads_copy.cuh").read_text()
+    assert _swizzled_phase_conflicts(heads.SIGMA) == 1
+    assert _swizzled_phase_conflicts(tuple(range(8))) == 2  # rows in order: K reads 2-way
+
+
+def test_heads_probe_maps_and_shared_memory_match_the_kernel():
+    from benchlib import heads
+    maps = heads.HeadsMaps
+    assert [getattr(maps, name).offset for name in ("k", "v", "k_scale", "v_scale")] == \
+        [0, 128, 256, 384]
+    assert maps.scale_heads_inner.offset == 512 and heads.ctypes.sizeof(maps) == 576
+    plain = heads.HeadsVariant(4, 4, 8, stages=4)
+    # 4 stages of K and V rows (4 heads x 16 tokens x 128) and fp32 scales, 1 KiB to align
+    assert plain.shared_bytes(8) == 4 * (2 * 4 * 16 * 128 + 2 * 16 * 4 * 4) + 1024
+    clustered = heads.HeadsVariant(4, 4, 8, stages=4, cluster=True)
+    slot = 4 * (4 * 4 * 8 * 8 * 2 + 16)  # quads of 4 heads, then 16 LSEs (HeadsSlots)
+    assert clustered.shared_bytes(3) == plain.shared_bytes() + 3 * slot
+
+
+def test_heads_probe_kernel_compiles_for_sm_90_without_spills():
+    from benchlib import heads
+    for variant in (heads.HeadsVariant(4, 4, 8, stages=4),
+                    heads.HeadsVariant(8, 2, 8, stages=8, dtype="bfloat16",
+                                       scale_dtype="float16", cluster=True)):
+        program = variant.compile("sm_90")  # NVRTC only: no GPU needed
+        (resources,) = program.resources.values()
+        assert resources.spill_store_bytes == resources.spill_load_bytes == 0, variant
+        assert resources.registers <= 128, variant  # 2 CTAs of 256 threads per SM
