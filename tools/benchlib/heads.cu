@@ -11,9 +11,10 @@
 // Warp w serves KV head w % HK and every (WARPS / HK)-th tile from w / HK. The math per tile is
 // decode.cu's (tokens on M, heads on N, m16n8k16), reading the stage through TMA's 128-byte
 // swizzle (chunk c of line L at c ^ (L & 7)). The tile's tokens are permuted on the mma's M
-// dimension, row r <-> token kSigma(r), so that both fragment reads are conflict-free on that
-// swizzle: a K phase reads rows g, g + 1 (tokens whose lines differ in bit 2), a V phase
-// tokens kSigma(2c) or kSigma(2c + 1) for c = 0..3 (lines in four different pairs).
+// dimension, row r <-> token sigma8(r % 8) + 8 (r / 8) (heads_copy.cuh), so that both fragment
+// reads are conflict-free on that swizzle: a K phase reads rows g, g + 1 (tokens whose lines
+// differ in bit 2), a V phase tokens sigma8(2c) or sigma8(2c + 1) for c = 0..3 (lines in four
+// different pairs).
 // Rows past the sequence's end come from the page as they are and are masked; a bad page id
 // becomes a coordinate outside the map, whose box TMA fills with zeros (nothing is read).
 #include "heads_copy.cuh"
@@ -26,7 +27,11 @@ template <int HEAD_DIM, int GROUP, int HK, int WARPS, int SCALE_MODE, typename Q
 __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS)
 decode_heads(const __grid_constant__ DecodeParams p, const __grid_constant__ HeadsMaps maps) {
   static_assert(HEAD_DIM == 128, "one 128-byte swizzle line per row");
-  static_assert(GROUP >= 1 && GROUP <= 8, "one head block of the mma's N");
+  // Heads pair up in the merges' quads (Quads), whose second head the exact HeadChunk always
+  // writes: an odd group above 1 would write into the next KV head's first query head. The
+  // probe's workloads use 4 (32 / 8 heads).
+  static_assert(GROUP == 1 || GROUP == 2 || GROUP == 4 || GROUP == 8,
+                "1, 2, 4 or 8 query heads per KV head (one head block of the mma's N)");
   static_assert(HK == 2 || HK == 4 || HK == 8, "KV heads per CTA");
   static_assert(WARPS == 8 || WARPS == 16, "warps per CTA");
   constexpr int kWarps = WARPS, kPhases = kWarps / HK;

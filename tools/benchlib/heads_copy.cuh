@@ -14,7 +14,8 @@ struct HeadsMaps {
   int32_t scale_heads_inner;
 };
 
-// Tile i of token row r: token kSigma(r) of the tile.
+// Row r (0-7) of each 8-row half of a tile's mma holds token sigma8(r) of that half
+// (heads.py SIGMA).
 __device__ __forceinline__ int sigma8(int r) { return (0x36157240u >> (4 * r)) & 7; }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
