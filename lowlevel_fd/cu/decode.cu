@@ -36,7 +36,7 @@ namespace llfd {
 // MASKED: the query group is not GROUP: fewer heads (the rest masked) or more (chunks of CTAs
 // per KV head), from DecodeParams' group fields at run time (HeadChunk).
 // PAGED: the cache is in pages (cache_pages.cuh): every row's page comes from the block table,
-// loaded a tile ahead (PagedTiles, decode_pages.cuh).
+// through a ring of ids loaded a batch of tiles ahead (PagedTiles, decode_pages.cuh).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
           int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED, bool PAGED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
@@ -184,18 +184,19 @@ decode_split(const __grid_constant__ DecodeParams p) {
   };
   constexpr int kStep = 16 * TILES * NUM_WARPS;
   const int first = start + 16 * TILES * warp;
-  typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES>::type pager(p, b, kvh, lane);
+  using PagerT = typename Pager<PAGED, HEAD_DIM, kTokenScales, ScaleT, TILES, kStep>::type;
+  PagerT pager(p, b, kvh, lane);
   if constexpr (kWindow) {
     window.wait(p);  // uniform: every CTA that gets here syncs
     pager.use_window(id_window, window.first, window.count);
   }
-  // Issue the tile at t into stage `index`; a paged lane then fetches the next tile's page ids.
+  // Issue the warp's next tile (at t) into stage `index`; a paged warp's ring then moves on.
   // `whole` (BoolTag): the page path, fixed per instantiation of the loop below.
   auto issue_as = [&](auto whole, int index, int t) __attribute__((always_inline)) {
     if constexpr (PAGED) {
       constexpr bool kWhole = decltype(whole)::value;
       pager.template issue_as<kWhole>(pipe_base(index), index, t, end, lane);
-      if (t + kStep < end) pager.template fetch_as<kWhole>(t + kStep, end, lane);
+      if (t + kStep < end) pager.template advance<kWhole>(t + kStep, end, lane);
     } else {
       issue_tile<HEAD_DIM, kTokenScales, ScaleT, TILES>(pipe_base(index), k_base, v_base,
                                                         ks_tokens, vs_tokens, p.kv_token_stride,
@@ -219,7 +220,7 @@ decode_split(const __grid_constant__ DecodeParams p) {
   // ---- load: STAGES - 1 tiles ahead of the math, per warp (per page path, as the loop) ----
   auto prologue = [&](auto whole) __attribute__((always_inline)) {
     if constexpr (PAGED) {
-      if (first < end) pager.template fetch_as<decltype(whole)::value>(first, end, lane);
+      if (first < end) pager.template start<decltype(whole)::value>(first, end, lane);
     }
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {

@@ -1,13 +1,16 @@
 // The decode kernel's tile loads over pages (the PAGED instantiation of decode_split): the same
 // stages as issue_tile (decode_pipeline.cuh), each row from its page of the block table
 // (cache_pages.cuh).
-//  * The page ids of the next tile a lane issues are loaded one tile ahead (fetch), so the
-//    table's latency hides behind a tile of math instead of sitting in front of every copy.
+//  * Page ids load ahead of the tiles (start, advance). Whole pages: a tile ahead. Smaller
+//    pages: a ring in registers holds the ids of a batch of the warp's next tiles, and the
+//    batch after it, loaded when the first comes into use. Their table reads (16 ids per
+//    tile, an L2 round trip queued behind the stream) then hide behind a batch of tiles: with
+//    ids a tile ahead, pages of 1 in physical order cost 1.21x contiguous on the H200, with
+//    ids computed 1.06x, with the ring 1.09-1.10x (PERF_NOTES v34).
 //  * Pages of >= 16 tokens ("whole": the usual case) hold whole 16-token sub-tiles: one id and
 //    one 64-bit page address per sub-tile, and per row only a lane-constant offset. Smaller
-//    pages: each lane loads one token's id and shuffles hand every row its page (head_dim
-//    256: one id load per row). The two paths are picked per launch; the kernel's loop and
-//    prologue are instantiated for each.
+//    pages: one id per token, handed to every row by a shuffle. The two paths are picked per
+//    launch; the kernel's loop and prologue are instantiated for each.
 //  * Rows past the sequence's end and rows of bad page ids are zero-filled without a read.
 //  * Per-token scales are copied as the aligned 4-byte word holding them (fp16: either half;
 //    which one is a bit per stage and sub-tile in `selectors`, read by the consumer through a
@@ -23,16 +26,23 @@ namespace llfd {
 template <bool B>
 struct BoolTag { static constexpr bool value = B; };
 
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
+// STEP: tokens between a warp's consecutive tiles.
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES, int STEP>
 struct PagedTiles {
   using S = Stage<HEAD_DIM, ScaleT, TILES, true>;
   static constexpr int kLoads = TILES * HEAD_DIM / 32;  // 16-byte chunks per lane and tile
   static constexpr int kLoadsPerSub = kLoads / TILES;   // ... per 16-token sub-tile
   static constexpr int kRowStep = 32 / (HEAD_DIM / 16);  // rows between a lane's chunks
   static constexpr bool kHalfScales = sizeof(ScaleT) == 2;
-  // Small pages: one id per lane, handed to rows by shuffles (one table load per lane and
-  // tile); head_dim 256 keeps one id per row (the shuffles' registers spill a 256 variant).
-  static constexpr bool kShuffleIds = HEAD_DIM != 256;
+  // Small pages' ring: lanes [kIds * k, + kIds) of one register hold the ids of the tokens
+  // of kPerReg tiles; a batch is kRegs registers' tiles. One register (2 tiles) was still
+  // short of the table's latency behind the stream, four no better than two (PERF_NOTES
+  // v34). head_dim 256 keeps batches of one tile (ids one tile ahead): its widest variants
+  // are at 255 registers, and the ring spills them.
+  static constexpr int kIds = 16 * TILES;
+  static constexpr int kPerReg = 32 / kIds;
+  static constexpr int kRegs = HEAD_DIM == 256 ? 1 : 2;
+  static constexpr int kBatch = HEAD_DIM == 256 ? 1 : kPerReg * kRegs;
   const int32_t* table;  // this sequence's row of the block table
   uint32_t window = 0;  // shared address of the ids of pages [window_first, + window_count)
   int window_first = 0, window_count = 0;  // (IdWindow); count 0: none
@@ -47,11 +57,10 @@ struct PagedTiles {
   bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
   int row0, chunk_bytes;   // this lane's first row of a sub-tile, and its chunk's byte offset
   int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
-  int sub_page[TILES];     // whole pages: the page of each sub-tile of the next tile; small
-                           // pages without shuffles: of this lane's scale token
-  int token_page;          // small pages, shuffled ids: the page of token lane % (16 * TILES)
-                           // of the next tile (rows and scale tokens get theirs by a shuffle)
-  int pages[kShuffleIds ? 1 : kLoads];  // small pages, per-row ids: each of this lane's rows
+  // Small pages: the ids of the warp's batch of tiles being issued, and of the batch after
+  // it (in flight while this one is used); slot: the next tile's place in the batch.
+  int ids_now[kRegs] = {}, ids_ahead[kRegs] = {}, slot = 0;
+  int sub_page[TILES];  // whole pages: the page of each sub-tile of the next tile
   uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
   bool bad = false;        // a page id out of range was met
 
@@ -93,38 +102,67 @@ struct PagedTiles {
     return __ldg(table + index);
   }
 
-  // Load the page ids of the tile at t0 (t0 < end). Rows past `end` are never copied: any
-  // id in the table does for them. WHOLE: the path `whole` selects, known at compile time
-  // (the kernel's loop is instantiated for each); fetch/issue pick it at run time.
-  __device__ __forceinline__ void fetch(int t0, int end, int lane) {
-    if (whole)
-      fetch_as<true>(t0, end, lane);
-    else
-      fetch_as<false>(t0, end, lane);
+  // Whole pages: the ids of the sub-tiles of the tile at t0.
+  __device__ __forceinline__ void load_sub_pages(int t0, int end) {
+#pragma unroll
+    for (int sub = 0; sub < TILES; ++sub)
+      sub_page[sub] = id(min(t0 + 16 * sub, end - 1) >> shift);
   }
 
+  // Small pages: this lane's id in register r of the batch of tiles from t0 on, of token
+  // lane % kIds of tile t0 + STEP * (kPerReg * r + lane / kIds). Tokens past `end` are never
+  // copied: any id of the row does for them, so the index is clamped into it.
+  __device__ __forceinline__ int batch_id(int t0, int end, int lane, int r) const {
+    const int tile = kBatch == 1 ? 0 : kPerReg * r + lane / kIds;
+    return id(min(t0 + STEP * tile + lane % kIds, end - 1) >> shift);
+  }
+
+  __device__ __forceinline__ void load_batch(int (&ids)[kRegs], int t0, int end, int lane) {
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) ids[r] = batch_id(t0, end, lane, r);
+  }
+
+  // Before the warp's first tile, at t0 (< end; the warp's tiles follow every STEP tokens).
+  // WHOLE: the path `whole` selects, known at compile time (the kernel's loop is instantiated
+  // for each).
   template <bool WHOLE>
-  __device__ __forceinline__ void fetch_as(int t0, int end, int lane) {
+  __device__ __forceinline__ void start(int t0, int end, int lane) {
     if constexpr (WHOLE) {
-#pragma unroll
-      for (int sub = 0; sub < TILES; ++sub)
-        sub_page[sub] = id(min(t0 + 16 * sub, end - 1) >> shift);
-      return;
-    }
-    if constexpr (kShuffleIds) {
-      token_page = id(min(t0 + lane % (16 * TILES), end - 1) >> shift);
+      load_sub_pages(t0, end);
     } else {
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int row = (lane + 32 * i) / S::kRowChunks;
-        pages[i] = id(min(t0 + row, end - 1) >> shift);
-      }
-      if constexpr (TOKEN_SCALES) {
-#pragma unroll
-        for (int sub = 0; sub < TILES; ++sub)
-          sub_page[sub] = id(min(t0 + 16 * sub + lane % 16, end - 1) >> shift);
-      }
+      slot = 0;
+      load_batch(ids_now, t0, end, lane);
+      const int ahead = t0 + kBatch * STEP;
+      if (kBatch > 1 && ahead < end) load_batch(ids_ahead, ahead, end, lane);
     }
+  }
+
+  // After the warp's tile before t_next (< end) is issued. Whole pages: t_next's ids load, a
+  // tile ahead (a page of >= 16 tokens holds a warp's next tiles, so mostly from L1). Small
+  // pages: the ring moves to t_next's slot; a used-up batch gives way to the one loaded with
+  // it, and the next one loads.
+  template <bool WHOLE>
+  __device__ __forceinline__ void advance(int t_next, int end, int lane) {
+    if constexpr (WHOLE) {
+      load_sub_pages(t_next, end);
+    } else if constexpr (kBatch == 1) {
+      load_batch(ids_now, t_next, end, lane);
+    } else if (++slot == kBatch) {
+      slot = 0;
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) ids_now[r] = ids_ahead[r];
+      if (t_next + kBatch * STEP < end) load_batch(ids_ahead, t_next + kBatch * STEP, end, lane);
+    }
+  }
+
+  // Small pages: the id of token `index` of the tile in the ring's current slot (every lane
+  // runs every shuffle: the caller's branches are uniform per warp).
+  __device__ __forceinline__ int ring_id(int index) const {
+    int ids = ids_now[0];
+#pragma unroll
+    for (int r = 1; r < kRegs; ++r)
+      if (slot >= r * kPerReg) ids = ids_now[r];
+    return __shfl_sync(0xffffffffu, ids, (slot & (kPerReg - 1)) * kIds + index);
   }
 
   // Bytes of this lane's chunk i of a tile past its sub-tile's first slot.
@@ -136,15 +174,8 @@ struct PagedTiles {
     return static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
   }
 
-  // Issue the copies of the tile at t0 into stage number `index` at shared address `stage`,
-  // from the page ids fetched for it: one branch per tile between the two paths.
-  __device__ __forceinline__ void issue(uint32_t stage, int index, int t0, int end, int lane) {
-    if (whole)
-      issue_as<true>(stage, index, t0, end, lane);
-    else
-      issue_as<false>(stage, index, t0, end, lane);
-  }
-
+  // Issue the copies of the warp's next tile (at t0) into stage number `index` at shared
+  // address `stage`.
   template <bool WHOLE>
   __device__ __forceinline__ void issue_as(uint32_t stage, int index, int t0, int end,
                                            int lane) {
@@ -185,17 +216,14 @@ struct PagedTiles {
   }
 
   // Pages of fewer than 16 tokens: every row (and scale token) from its own page, which the
-  // lane holding that token's id hands over (one table load per lane and tile, not one per
-  // row). Every lane runs every shuffle: the caller's branches are uniform per warp.
+  // lane holding that token's id hands over.
   __device__ __forceinline__ void issue_rows(uint32_t stage, int index, int t0, int end,
                                              int lane) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int index_in_tile = lane + 32 * i;
       const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
-      int page;
-      if constexpr (kShuffleIds) page = __shfl_sync(0xffffffffu, token_page, row);
-      else page = pages[i];
+      const int page = ring_id(row);
       const bool ok = good(page), live = t0 + row < end;
       bad |= live && !ok;
       const uint64_t offset = static_cast<unsigned>(ok ? page : 0) * page_stride +
@@ -208,9 +236,7 @@ struct PagedTiles {
     }
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub) {
-      int page;
-      if constexpr (kShuffleIds) page = __shfl_sync(0xffffffffu, token_page, 16 * sub + lane % 16);
-      else page = sub_page[sub];
+      const int page = ring_id(16 * sub + lane % 16);
       const bool ok = good(page);
       issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? page : 0u, ok);
     }
@@ -254,9 +280,9 @@ struct NoPager {
   template <typename P>
   __device__ __forceinline__ NoPager(const P&, int, int, int) {}
 };
-template <bool PAGED, int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
-struct Pager { using type = PagedTiles<HEAD_DIM, TOKEN_SCALES, ScaleT, TILES>; };
-template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES>
-struct Pager<false, HEAD_DIM, TOKEN_SCALES, ScaleT, TILES> { using type = NoPager; };
+template <bool PAGED, int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES, int STEP>
+struct Pager { using type = PagedTiles<HEAD_DIM, TOKEN_SCALES, ScaleT, TILES, STEP>; };
+template <int HEAD_DIM, bool TOKEN_SCALES, typename ScaleT, int TILES, int STEP>
+struct Pager<false, HEAD_DIM, TOKEN_SCALES, ScaleT, TILES, STEP> { using type = NoPager; };
 
 }  // namespace llfd
