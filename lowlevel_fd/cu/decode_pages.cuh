@@ -55,7 +55,7 @@ struct PagedTiles {
   int token_stride, scale_token_stride;
   int shift, mask, num_pages;
   bool whole;              // pages of >= 16 tokens: a sub-tile lies in one page
-  int row0;                // this lane's first row of a sub-tile
+  int row0, chunk_bytes;   // this lane's first row of a sub-tile, and its chunk's byte offset
   int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
   // Small pages: the ids of the warp's batch of tiles being issued, and of the batch after
   // it (in flight while this one is used); slot: the next tile's place in the batch.
@@ -83,6 +83,7 @@ struct PagedTiles {
     // Tiles start at multiples of 16 tokens, so a row's slot is its sub-tile's first slot
     // (0 when pages are smaller than 16) plus (row % 16) & mask (row_offset).
     row0 = lane / S::kRowChunks;
+    chunk_bytes = 16 * (lane % S::kRowChunks);
     scale_offset = ((lane % 16) & mask) * scale_token_stride;
   }
 
@@ -164,9 +165,9 @@ struct PagedTiles {
     return __shfl_sync(0xffffffffu, ids, (slot & (kPerReg - 1)) * kIds + index);
   }
 
-  // Bytes of the row of this lane's chunk i of a tile past its sub-tile's first slot.
+  // Bytes of this lane's chunk i of a tile past its sub-tile's first slot.
   __device__ __forceinline__ int row_offset(int i) const {
-    return (((row0 + kRowStep * i) % 16) & mask) * token_stride;
+    return (((row0 + kRowStep * i) % 16) & mask) * token_stride + chunk_bytes;
   }
 
   __device__ __forceinline__ bool good(int page) const {
@@ -205,11 +206,10 @@ struct PagedTiles {
         const int i = sub * kLoadsPerSub + j, index_in_tile = lane + 32 * i;
         const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
         const int bytes = ok && t0 + row < end ? 16 : 0;
-        const int8_t* src = k + j * row_step;  // destination-major, as issue_tile
-        cp_async_16(stage + S::kK + 16 * index_in_tile, src + 16 * S::k_chunk(row, chunk),
-                    bytes);
-        cp_async_16(stage + S::kV + 16 * index_in_tile,
-                    src + v_delta + 16 * S::v_chunk(row, chunk), bytes);
+        const int8_t* src = k + j * row_step;
+        cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk), src, bytes);
+        cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk),
+                    src + v_delta, bytes);
       }
       issue_scales(stage, index, sub, first, end, lane, safe, ok);
     }
@@ -229,10 +229,10 @@ struct PagedTiles {
       const uint64_t offset = static_cast<unsigned>(ok ? page : 0) * page_stride +
                               static_cast<unsigned>(row_offset(i));
       const int bytes = ok && live ? 16 : 0;
-      cp_async_16(stage + S::kK + 16 * index_in_tile,
-                  k_head + offset + 16 * S::k_chunk(row, chunk), bytes);
-      cp_async_16(stage + S::kV + 16 * index_in_tile,
-                  v_head + offset + 16 * S::v_chunk(row, chunk), bytes);
+      cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk),
+                  k_head + offset, bytes);
+      cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk),
+                  v_head + offset, bytes);
     }
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub) {

@@ -25,10 +25,6 @@ struct Stage {
   static constexpr int kVScale = kKScale + kRows * kScaleBytes;
   static constexpr int kBytes = kVScale + kRows * kScaleBytes;
 
-  // Each swizzle is an involution (an XOR): the chunk stored at position c of a row is global
-  // chunk k_chunk(row, c), and global chunk c goes to k_chunk(row, c). The copies are
-  // destination-major: a lane's shared positions are 16 * (lane + 32 i), whose offsets from the
-  // stage are immediates, and it fetches the global chunks that belong there.
   __device__ static __forceinline__ int k_chunk(int row, int chunk) {
     return HEAD_DIM >= 128 ? chunk ^ (4 * (row & 1)) : chunk;
   }
@@ -50,12 +46,10 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, const int8_t* k_base,
   using S = Stage<HEAD_DIM, ScaleT, TILES>;
 #pragma unroll
   for (int i = 0; i < TILES * HEAD_DIM / 32; ++i) {
-    // Lane and i pick the shared chunk (16 * index: one register plus an immediate per i) and
-    // the swizzle, an involution, the global chunk that belongs there (Stage's swizzles).
     const int index = lane + 32 * i, row = index / S::kRowChunks, chunk = index % S::kRowChunks;
-    const int64_t offset = min(t0 + row, end - 1) * token_stride;
-    cp_async_16(stage + S::kK + 16 * index, k_base + offset + 16 * S::k_chunk(row, chunk));
-    cp_async_16(stage + S::kV + 16 * index, v_base + offset + 16 * S::v_chunk(row, chunk));
+    const int64_t offset = min(t0 + row, end - 1) * token_stride + 16 * chunk;
+    cp_async_16(stage + S::kK + row * HEAD_DIM + 16 * S::k_chunk(row, chunk), k_base + offset);
+    cp_async_16(stage + S::kV + row * HEAD_DIM + 16 * S::v_chunk(row, chunk), v_base + offset);
   }
   if constexpr (TOKEN_SCALES) {
     // fp32: one lane per token (lanes 0-15 K, 16-31 V). fp16: one lane per token pair.
