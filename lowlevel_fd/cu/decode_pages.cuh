@@ -1,16 +1,18 @@
 // The decode kernel's tile loads over pages (the PAGED instantiation of decode_split): the same
 // stages as issue_tile (decode_pipeline.cuh), each row from its page of the block table
 // (cache_pages.cuh).
-//  * Page ids load ahead of the tiles (start, advance). Whole pages: a tile ahead. Smaller
-//    pages: a ring in registers holds the ids of a batch of the warp's next tiles, and the
-//    batch after it, loaded when the first comes into use. Their table reads (16 ids per
-//    tile, an L2 round trip queued behind the stream) then hide behind a batch of tiles: with
-//    ids a tile ahead, pages of 1 in physical order cost 1.21x contiguous on the H200, with
-//    ids computed 1.06x, with the ring 1.09-1.10x (PERF_NOTES v34).
+//  * Page ids load ahead of the tiles (start, advance). Whole pages, and every page size at
+//    head_dim 256: a tile ahead. Smaller pages: a ring in registers holds the ids of a batch
+//    of the warp's next tiles, and the batch after it, loaded when the first comes into use.
+//    Their table reads (16 ids per tile, an L2 round trip queued behind the stream) then hide
+//    behind a batch of tiles: with ids a tile ahead, pages of 1 in physical order cost 1.21x
+//    contiguous on the H200, with ids computed 1.06x, with the ring 1.09-1.10x (PERF_NOTES
+//    v34).
 //  * Pages of >= 16 tokens ("whole": the usual case) hold whole 16-token sub-tiles: one id and
 //    one 64-bit page address per sub-tile, and per row only a lane-constant offset. Smaller
-//    pages: one id per token, handed to every row by a shuffle. The two paths are picked per
-//    launch; the kernel's loop and prologue are instantiated for each.
+//    pages: one id per token, handed to every row by a shuffle from the ring (head_dim 256:
+//    one id per row). The two paths are picked per launch; the kernel's loop and prologue are
+//    instantiated for each.
 //  * Rows past the sequence's end and rows of bad page ids are zero-filled without a read.
 //  * Per-token scales are copied as the aligned 4-byte word holding them (fp16: either half;
 //    which one is a bit per stage and sub-tile in `selectors`, read by the consumer through a
@@ -37,12 +39,13 @@ struct PagedTiles {
   // Small pages' ring: lanes [kIds * k, + kIds) of one register hold the ids of the tokens
   // of kPerReg tiles; a batch is kRegs registers' tiles. One register (2 tiles) was still
   // short of the table's latency behind the stream, four no better than two (PERF_NOTES
-  // v34). head_dim 256 keeps batches of one tile (ids one tile ahead): its widest variants
-  // are at 255 registers, and the ring spills them.
+  // v34). head_dim 256 keeps one id per row, loaded a tile ahead: its widest variants are at
+  // 255 registers, and ring or shuffles spill them.
+  static constexpr bool kRing = HEAD_DIM != 256;
   static constexpr int kIds = 16 * TILES;
   static constexpr int kPerReg = 32 / kIds;
-  static constexpr int kRegs = HEAD_DIM == 256 ? 1 : 2;
-  static constexpr int kBatch = HEAD_DIM == 256 ? 1 : kPerReg * kRegs;
+  static constexpr int kRegs = 2;
+  static constexpr int kBatch = kPerReg * kRegs;
   const int32_t* table;  // this sequence's row of the block table
   uint32_t window = 0;  // shared address of the ids of pages [window_first, + window_count)
   int window_first = 0, window_count = 0;  // (IdWindow); count 0: none
@@ -59,8 +62,10 @@ struct PagedTiles {
   int scale_offset;        // bytes of this lane's scale token past its sub-tile's first slot
   // Small pages: the ids of the warp's batch of tiles being issued, and of the batch after
   // it (in flight while this one is used); slot: the next tile's place in the batch.
-  int ids_now[kRegs] = {}, ids_ahead[kRegs] = {}, slot = 0;
-  int sub_page[TILES];  // whole pages: the page of each sub-tile of the next tile
+  int ids_now[kRing ? kRegs : 1] = {}, ids_ahead[kRing ? kRegs : 1] = {}, slot = 0;
+  int sub_page[TILES];  // whole pages: the page of each sub-tile of the next tile; small
+                        // pages without the ring: of this lane's scale token
+  int pages[kRing ? 1 : kLoads];  // small pages without the ring: each of this lane's rows
   uint32_t selectors = 0;  // fp16 scales: bit stage * TILES + sub set = the high half
   bool bad = false;        // a page id out of range was met
 
@@ -109,15 +114,28 @@ struct PagedTiles {
       sub_page[sub] = id(min(t0 + 16 * sub, end - 1) >> shift);
   }
 
-  // Small pages: this lane's id in register r of the batch of tiles from t0 on, of token
-  // lane % kIds of tile t0 + STEP * (kPerReg * r + lane / kIds). Tokens past `end` are never
-  // copied: any id of the row does for them, so the index is clamped into it.
-  __device__ __forceinline__ int batch_id(int t0, int end, int lane, int r) const {
-    const int tile = kBatch == 1 ? 0 : kPerReg * r + lane / kIds;
-    return id(min(t0 + STEP * tile + lane % kIds, end - 1) >> shift);
+  // Small pages without the ring: the ids of this lane's rows and scale tokens of the tile
+  // at t0. Tokens past `end` are never copied: any id of the row does for them, so every
+  // index is clamped into it.
+  __device__ __forceinline__ void load_rows(int t0, int end, int lane) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i)
+      pages[i] = id(min(t0 + (lane + 32 * i) / S::kRowChunks, end - 1) >> shift);
+    if constexpr (TOKEN_SCALES) {
+#pragma unroll
+      for (int sub = 0; sub < TILES; ++sub)
+        sub_page[sub] = id(min(t0 + 16 * sub + lane % 16, end - 1) >> shift);
+    }
   }
 
-  __device__ __forceinline__ void load_batch(int (&ids)[kRegs], int t0, int end, int lane) {
+  // Small pages: this lane's id in register r of the batch of tiles from t0 on, of token
+  // lane % kIds of tile t0 + STEP * (kPerReg * r + lane / kIds).
+  __device__ __forceinline__ int batch_id(int t0, int end, int lane, int r) const {
+    return id(min(t0 + STEP * (kPerReg * r + lane / kIds) + lane % kIds, end - 1) >> shift);
+  }
+
+  __device__ __forceinline__ void load_batch(int (&ids)[kRing ? kRegs : 1], int t0, int end,
+                                             int lane) {
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) ids[r] = batch_id(t0, end, lane, r);
   }
@@ -129,11 +147,12 @@ struct PagedTiles {
   __device__ __forceinline__ void start(int t0, int end, int lane) {
     if constexpr (WHOLE) {
       load_sub_pages(t0, end);
+    } else if constexpr (!kRing) {
+      load_rows(t0, end, lane);
     } else {
       slot = 0;
       load_batch(ids_now, t0, end, lane);
-      const int ahead = t0 + kBatch * STEP;
-      if (kBatch > 1 && ahead < end) load_batch(ids_ahead, ahead, end, lane);
+      if (t0 + kBatch * STEP < end) load_batch(ids_ahead, t0 + kBatch * STEP, end, lane);
     }
   }
 
@@ -145,8 +164,8 @@ struct PagedTiles {
   __device__ __forceinline__ void advance(int t_next, int end, int lane) {
     if constexpr (WHOLE) {
       load_sub_pages(t_next, end);
-    } else if constexpr (kBatch == 1) {
-      load_batch(ids_now, t_next, end, lane);
+    } else if constexpr (!kRing) {
+      load_rows(t_next, end, lane);
     } else if (++slot == kBatch) {
       slot = 0;
 #pragma unroll
@@ -223,7 +242,9 @@ struct PagedTiles {
     for (int i = 0; i < kLoads; ++i) {
       const int index_in_tile = lane + 32 * i;
       const int row = index_in_tile / S::kRowChunks, chunk = index_in_tile % S::kRowChunks;
-      const int page = ring_id(row);
+      int page;
+      if constexpr (kRing) page = ring_id(row);
+      else page = pages[i];
       const bool ok = good(page), live = t0 + row < end;
       bad |= live && !ok;
       const uint64_t offset = static_cast<unsigned>(ok ? page : 0) * page_stride +
@@ -236,7 +257,9 @@ struct PagedTiles {
     }
 #pragma unroll
     for (int sub = 0; sub < TILES; ++sub) {
-      const int page = ring_id(16 * sub + lane % 16);
+      int page;
+      if constexpr (kRing) page = ring_id(16 * sub + lane % 16);
+      else page = sub_page[sub];
       const bool ok = good(page);
       issue_scales(stage, index, sub, t0 + 16 * sub, end, lane, ok ? page : 0u, ok);
     }
