@@ -36,7 +36,8 @@ namespace llfd {
 // MASKED: the query group is not GROUP: fewer heads (the rest masked) or more (chunks of CTAs
 // per KV head), from DecodeParams' group fields at run time (HeadChunk).
 // PAGED: the cache is in pages (cache_pages.cuh): every row's page comes from the block table,
-// through a ring of ids loaded a batch of tiles ahead (PagedTiles, decode_pages.cuh).
+// loaded ahead of the tiles: a tile ahead, or a batch of tiles for small pages (PagedTiles,
+// decode_pages.cuh).
 template <int HEAD_DIM, int GROUP, int NUM_WARPS, int SCALE_MODE, typename QT, typename ScaleT,
           int STAGES, bool CLUSTER, int TILES, bool APPEND, bool MASKED, bool PAGED>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
