@@ -67,6 +67,13 @@ __device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
 constexpr uint32_t kMagic1152x2 = 0x64806480u;  // fp16 pair (1152, 1152)
 constexpr uint32_t kExp1024x4 = 0x64646464u;
 
+// Bytes 0,1 (lo) and 2,3 (hi) of a biased word as two fp16 pairs of x + 1152 (exact): for an
+// operand whose product the caller corrects by 1152 x the sum of the other operand.
+__device__ __forceinline__ void unpack_word_plus1152(uint32_t biased, uint32_t& lo, uint32_t& hi) {
+  lo = prmt(biased, kExp1024x4, 0x4140u);
+  hi = prmt(biased, kExp1024x4, 0x4342u);
+}
+
 // Bytes 0,1 (lo) and 2,3 (hi) of a biased word as two fp16 pairs.
 __device__ __forceinline__ void unpack_word(uint32_t biased, uint32_t& lo, uint32_t& hi) {
   lo = hsub2(prmt(biased, kExp1024x4, 0x4140u), kMagic1152x2);

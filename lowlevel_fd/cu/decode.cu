@@ -259,6 +259,27 @@ decode_split(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       col_const[hb][i] = k_const * __shfl_sync(0xffffffffu, head_scale[hb], 4 * (2 * c + i));
+  // K fragments skip the -1152 of unpack_word (K x Q^T on k + 1152, exact in fp16): each
+  // column's score then carries 1152 x the sum of its head's query fragments, taken off by
+  // starting the odd k-steps' accumulator at minus that (no instruction per tile).
+  constexpr bool kKBias = !kQueryInShared;
+  float col_bias[kBlocks][2] = {};
+  if constexpr (kKBias) {
+#pragma unroll
+    for (int hb = 0; hb < kBlocks; ++hb) {
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < G::kChunks; ++j)
+#pragma unroll
+        for (int w = 0; w < 2; ++w)
+          sum += half_to_float(qb[hb][j][w] & 0xffffu) + half_to_float(qb[hb][j][w] >> 16);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        col_bias[hb][i] = -1152.f * __shfl_sync(0xffffffffu, sum, 4 * (2 * c + i));
+    }
+  }
   // The streaming loop, instantiated per page path (paged kernels: whole pages or rows; the
   // choice is per launch), so that neither carries the other's registers and branches.
   auto stream = [&](auto whole) __attribute__((always_inline)) {
@@ -299,14 +320,19 @@ decode_split(const __grid_constant__ DecodeParams p) {
   #pragma unroll
         for (int hb = 0; hb < kBlocks; ++hb)
   #pragma unroll
-          for (int i = 0; i < 4; ++i) s[sub][hb][i] = s_odd[sub][hb][i] = 0.f;
+          for (int i = 0; i < 4; ++i) s[sub][hb][i] = 0.f, s_odd[sub][hb][i] = col_bias[hb][i & 1];
   #pragma unroll
       for (int j = 0; j < G::kChunks; ++j) {
   #pragma unroll
         for (int sub = 0; sub < TILES; ++sub) {
           uint32_t a[4];
-          unpack_word(cur[sub].k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
-          unpack_word(cur[sub].k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
+          if constexpr (kKBias) {
+            unpack_word_plus1152(cur[sub].k[0][j] ^ 0x80808080u, a[0], a[2]);
+            unpack_word_plus1152(cur[sub].k[1][j] ^ 0x80808080u, a[1], a[3]);
+          } else {
+            unpack_word(cur[sub].k[0][j] ^ 0x80808080u, a[0], a[2]);  // token g: k 2c.. | 2c+8..
+            unpack_word(cur[sub].k[1][j] ^ 0x80808080u, a[1], a[3]);  // token g+8
+          }
   #pragma unroll
           for (int hb = 0; hb < kBlocks; ++hb) {
             uint32_t q0, q1;
