@@ -26,7 +26,8 @@ if [[ ! -x "$sanitizer" ]]; then
   echo "compute-sanitizer not found: put it on PATH or set COMPUTE_SANITIZER" >&2
   exit 2
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# tools/ too: the subset imports test modules whose cases use tools/benchlib (as conftest.py does).
+export PYTHONPATH="$PWD:$PWD/tools${PYTHONPATH:+:$PYTHONPATH}"
 subset=(tests/sanitize_subset.py)
 [[ -n "${SUBSET_FILTER:-}" ]] && subset+=(-k "$SUBSET_FILTER")
 
