@@ -13,14 +13,17 @@ from lowlevel_fd.core.spec import KVCacheSpec
 from lowlevel_fd.core.support import DTYPES, HEAD_DIMS, WARP_COUNTS
 from lowlevel_fd.decode import CombineVariant, DecodeVariant, shipped_variants
 from lowlevel_fd.decode.planner import (DEFAULT_WARPS, MAX_CLUSTER, MAX_GLOBAL_SPLITS,
-                                        MAX_PORTABLE_SPLITS, MAX_SPLITS, SPLIT_TOKENS, TileConfig,
-                                        Workload, choose, default_min_split_tokens,
-                                        routes_to_multi, workspace_pairs_bound)
+                                        MAX_PORTABLE_SPLITS, MAX_SPLIT_TOKENS, MAX_SPLITS,
+                                        SPLIT_TOKENS, TileConfig, Workload, choose,
+                                        default_min_split_tokens, routes_to_multi, split_tokens,
+                                        workspace_pairs_bound)
 from lowlevel_fd.decode.route import wants_multi
 from lowlevel_fd.decode.variants import CTA_HEADS, MASKED_CTA_HEADS
 from lowlevel_fd.decode.variants import LENGTHS as LENGTHS_PROGRAM
 
 H100_SMS, A100_SMS = 132, 108
+# Peak DRAM bandwidth as DeviceInfo computes it (memory clock x bus width x 2), bytes/s.
+H100_BANDWIDTH, H200_BANDWIDTH = 3.352e12, 4.814e12
 LENGTHS = (1, 15, 16, 127, 128, 129, 500, 1024, 2047, 4096, 8191, 32768, 131072)
 
 
@@ -120,6 +123,41 @@ def test_splits_grow_monotonically_with_length(batch, num_kv_heads, group_size):
     counts = [splits(batch, num_kv_heads, n, group_size=group_size)
               for n in range(1, 131073, 97)]
     assert counts == sorted(counts)
+
+
+def test_the_split_length_grows_with_memory_bandwidth():
+    assert split_tokens(0) == split_tokens(H100_BANDWIDTH) == split_tokens(2.0e12) == SPLIT_TOKENS
+    assert split_tokens(H200_BANDWIDTH) == 1449  # 1024 x 4.814 / 3.4
+    assert split_tokens(1e15) == MAX_SPLIT_TOKENS
+
+
+def h200_splits(batch: int, max_len: int, num_kv_heads: int = 8) -> int:
+    return choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, 4, 128, H200_BANDWIDTH),
+                  clusters=True).num_splits
+
+
+# Hkv 8, group 4: the fastest split count measured on an H200 (PERF_NOTES v36), uniform and
+# ragged lengths; 20 and 24 are the wave guard's (2 splits leave 56 / 120 CTAs in a last wave).
+@pytest.mark.parametrize("batch, max_len, expected", [
+    (16, 4096, 2), (20, 4096, 4), (24, 4096, 4), (32, 2048, 1), (32, 4096, 2), (48, 4096, 2),
+    (64, 2048, 1), (64, 8192, 4), (96, 4096, 2), (128, 2048, 1), (128, 8192, 4), (8, 4096, 2)])
+def test_faster_memory_takes_longer_splits_as_measured_on_the_h200(batch, max_len, expected):
+    assert h200_splits(batch, max_len) == expected
+
+
+@pytest.mark.parametrize("batch", [1, 2, 9, 17, 20, 24, 33, 40, 64, 100, 128])
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+@pytest.mark.parametrize("max_len", LENGTHS)
+def test_the_h100s_choices_ignore_a_known_bandwidth_and_the_wave_guard_keeps_splits_long(
+        batch, num_kv_heads, max_len):
+    for group_size, clusters in itertools.product((4, 16), (False, True)):
+        known = choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size, 128,
+                                H100_BANDWIDTH), clusters=clusters)
+        assert known == choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size),
+                               clusters=clusters)
+    count = h200_splits(batch, max_len, num_kv_heads)
+    if 2 * batch * num_kv_heads > H100_SMS:  # rule 3, guard included
+        assert count == 1 or count * SPLIT_TOKENS <= max_len
 
 
 @pytest.mark.parametrize("num_warps", [2, 4, 8])

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(merged through global memory)")
     parser.add_argument("--scales", default="token",
                         help=f"comma list of scale modes: {', '.join(SCALE_MODES)}")
+    parser.add_argument("--ragged", action="store_true",
+                        help="lengths uniform in [S/2, S], row 0 at S (benchlib.workloads)")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream
@@ -52,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       args.scales.split(",")):
         mode, scale_dtype = SCALE_MODES[scales]
         variants = [Workload(batch, seq_len, kv_layout=layout, scale_mode=mode,
-                             scale_dtype=scale_dtype)
+                             scale_dtype=scale_dtype, ragged=args.ragged)
                     for layout in args.contiguous.split(",")] + [
             Workload(batch, seq_len, kv_layout=layout, page_size=int(page), page_order=order,
-                     page_slot=storage == "slot", scale_mode=mode, scale_dtype=scale_dtype)
+                     page_slot=storage == "slot", scale_mode=mode, scale_dtype=scale_dtype,
+                     ragged=args.ragged)
             for layout in args.layouts.split(",") for page in args.pages.split(",")
             for order in args.orders.split(",") for storage in args.storage.split(",")
             if mode == "token" or storage != "slot"]

@@ -5,8 +5,13 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
    per CTA, two 16-token tiles in flight per warp.
 2. Few pairs (at most half the SMs): split each sequence so that the pairs x splits CTAs
    cover the SMs, in powers of two. More CTAs than that cost more in merging than they gain.
-3. Many pairs: split into ~1024-token ranges (powers of two). Longer ranges leave a long tail
-   of the last wave; shorter ones spend more on the merge.
+3. Many pairs: split into ~1024-token ranges (powers of two) at the H100's memory bandwidth,
+   longer in proportion on faster memory (``split_tokens``: a split's fixed cost is fixed in
+   time while its stream shortens; H200, PERF_NOTES v36). Longer ranges leave a long tail of
+   the last wave; shorter ones spend more on the merge. Where such a longer split leaves a
+   last wave of fewer CTAs than SMs (they stream alone, at one CTA's rate), the splits double
+   if that fills the waves better and each stays at least SPLIT_TOKENS long (so the H100's
+   choices are unchanged).
 4. Never more than MAX_PORTABLE_SPLITS splits when they merge in a cluster (a portable
    thread-block cluster on sm_90: 10- to 16-CTA clusters measured slower), MAX_GLOBAL_SPLITS
    when they merge through global memory (B=1 Hkv=1 S=32768: 8 splits 38.9 us, 32 18.6, 64
@@ -39,7 +44,10 @@ MAX_SPLITS = 128
 MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
 MAX_PORTABLE_SPLITS = 8  # what the planner picks at most for a cluster merge
 MAX_GLOBAL_SPLITS = 64  # ... and for a merge through global memory
-SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU
+SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU (rule 3) ...
+REFERENCE_BANDWIDTH = 3.4e12  # ... at up to this peak DRAM bandwidth (H100 SXM: 3.35 TB/s)
+MAX_SPLIT_TOKENS = 4096  # ... and at most this long on faster memory
+DEFAULT_CTAS_PER_SM = 2  # the 8-warp head_dim-128 variants' occupancy (rule 3's wave guard)
 TWO_TILE_SPLIT_TOKENS = 1024  # the shortest split that takes two tiles per warp step (rule 7)
 TWO_TILE_HEAD_DIMS = (128,)  # where rule 7 was measured
 DEFAULT_WARPS = 8  # rule 1; every warp default (TileConfig, variants, the demo) derives from it
@@ -79,6 +87,7 @@ class Workload:
     ctas_per_sm: int
     group_size: int = 4
     head_dim: int = 128
+    memory_bandwidth: float = 0.0  # peak DRAM bytes/s (DeviceInfo); 0: unknown (H100's rule)
 
 
 def routes_to_multi(group_size: int, head_dim: int, chunks: int, kv_bytes: int, pairs: int,
@@ -101,6 +110,23 @@ def _power_of_two_at_most(value: int) -> int:
     return 1 << max(0, int(value).bit_length() - 1)
 
 
+def split_tokens(memory_bandwidth: float) -> int:
+    """Rule 3's split length on a device with this peak DRAM bandwidth (bytes/s)."""
+    scale = max(1.0, float(memory_bandwidth) / REFERENCE_BANDWIDTH)
+    return min(MAX_SPLIT_TOKENS, int(SPLIT_TOKENS * scale))
+
+
+def _wave_fill(ctas: int, slots: int) -> float:
+    """The share of the resident-CTA slots of all waves that ``ctas`` CTAs use."""
+    return ctas / (-(-ctas // slots) * slots)
+
+
+def _short_last_wave(ctas: int, slots: int, sm_count: int) -> bool:
+    """More than one wave, and the last one has fewer CTAs than SMs: those stream alone at one
+    CTA's rate (H200, Hkv 8, S=4096: B=20 2 splits 60.6 us, 4 splits 51.9; B=24 62.9, 59.5)."""
+    return ctas > slots and 0 < ctas % slots < sm_count
+
+
 def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: int | None = None,
            fused_merge: bool = True, stages: int = 0, clusters: bool = False) -> TileConfig:
     """The split count and tile settings for a workload (see the module docstring). With
@@ -111,7 +137,8 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     if 2 * pairs <= work.sm_count:
         wanted = _power_of_two_at_most(work.sm_count // pairs)
     else:
-        wanted = _power_of_two_at_most(max(1, work.max_len // SPLIT_TOKENS))
+        wanted = _power_of_two_at_most(
+            max(1, work.max_len // split_tokens(work.memory_bandwidth)))
     by_length = max(1, work.max_len // min_tokens)
     # Groups over 8 heads merge through global memory: their cluster slots are 2x larger and
     # measured slower or not co-resident (B=32 S=4096 Hkv=1: 4 splits 31.6 us vs 22.0).
@@ -119,6 +146,12 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     few_pairs = 2 * pairs <= work.sm_count
     cap = MAX_GLOBAL_SPLITS if few_pairs and not merge_in_cluster else MAX_PORTABLE_SPLITS
     splits = max(1, min(wanted, by_length, cap))
+    slots = work.sm_count * (work.ctas_per_sm or DEFAULT_CTAS_PER_SM)
+    if (not few_pairs and 2 * splits <= min(by_length, cap) and
+            work.max_len // (2 * splits) >= SPLIT_TOKENS and
+            _short_last_wave(pairs * splits, slots, work.sm_count) and
+            _wave_fill(2 * pairs * splits, slots) > _wave_fill(pairs * splits, slots)):
+        splits *= 2
     if splits > MAX_PORTABLE_SPLITS:  # the extra global splits need two tiles per warp each
         splits = max(MAX_PORTABLE_SPLITS,
                      min(splits, _power_of_two_at_most(max(1, work.max_len // (2 * min_tokens)))))

@@ -46,6 +46,9 @@ class DeviceInfo:
     l2_bytes: int
     max_shared_per_block_optin: int
     total_memory: int
+    # Peak DRAM bandwidth in bytes/s from the memory clock and bus width (double data rate);
+    # 0 where the driver reports neither. The decode planner scales its split length by it.
+    memory_bandwidth: float = 0.0
 
 
 class Device:
@@ -101,6 +104,8 @@ class Device:
             max_shared_per_block_optin=self._attribute(
                 "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
             total_memory=int(cu.cuDeviceTotalMem(self.handle)),
+            memory_bandwidth=2.0 * 1e3 * self._attribute("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE")
+            * self._attribute("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH") / 8,
         )
 
     @property
