@@ -104,9 +104,18 @@ class Device:
             max_shared_per_block_optin=self._attribute(
                 "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
             total_memory=int(cu.cuDeviceTotalMem(self.handle)),
-            memory_bandwidth=2.0 * 1e3 * self._attribute("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE")
-            * self._attribute("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH") / 8,
+            memory_bandwidth=self._memory_bandwidth(),
         )
+
+    def _memory_bandwidth(self) -> float:
+        """Peak DRAM bytes/s: memory clock (kHz) x bus width (bits) x 2 (double data rate) / 8;
+        0.0 where the driver does not report them (the attributes are marked for removal)."""
+        try:
+            clock_khz = self._attribute("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE")
+            bus_bits = self._attribute("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH")
+        except (AttributeError, RuntimeError):
+            return 0.0
+        return 2.0 * 1e3 * clock_khz * bus_bits / 8
 
     @property
     def sm_count(self) -> int:
