@@ -14,6 +14,7 @@ class StandInDevice:
     """Enough of a Device for code that never reaches the GPU: the checks compare identity."""
 
     arch, compute_capability, sm_count = "sm_90", (9, 0), 132
+    memory_bandwidth = 3.352e12  # an H100 SXM's, as DeviceInfo computes it
 
     def __init__(self, ordinal: int = 0) -> None:
         self.ordinal = ordinal

@@ -90,7 +90,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         slots = self.num_kv_heads * chunks  # CTAs per sequence and split
         if config is None:
             config = choose(Workload(batch, slots, longest, self.device.sm_count, 0, cta_heads,
-                                     self.head_dim, self.device.info.memory_bandwidth),
+                                     self.head_dim, self.device.memory_bandwidth),
                             clusters=hopper)
         if config.cluster and not hopper:
             raise ValueError(f"config.cluster: needs sm_90+, got {self.device.arch}")

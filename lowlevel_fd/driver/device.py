@@ -121,6 +121,10 @@ class Device:
     def sm_count(self) -> int:
         return self.info.sm_count
 
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.info.memory_bandwidth
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes."""
         self.set_current()
