@@ -12,6 +12,7 @@ import pytest
 
 # tools/ is on sys.path through pytest's pythonpath setting (pyproject.toml).
 import bench
+import sweep_splits
 import tune
 from benchlib import kernels, report, stats, workloads
 from benchlib.workloads import GIB, L2_HONEST_BYTES, MAX_LAYERS, MIB, Workload, layer_count
@@ -507,3 +508,12 @@ def test_heads_probe_kernel_compiles_for_sm_90_without_spills():
         (resources,) = program.resources.values()
         assert resources.spill_store_bytes == resources.spill_load_bytes == 0, variant
         assert resources.registers <= 128, variant  # 2 CTAs of 256 threads per SM
+
+
+def test_the_split_sweep_times_both_merges_up_to_the_cluster_cap_and_no_short_splits():
+    few = sweep_splits.candidates([1, 2, 8, 16, 32], 4096, few_pairs=True)
+    assert few == [(1, False), (2, True), (2, False), (8, True), (8, False), (16, False),
+                   (32, False)]
+    many = sweep_splits.candidates([1, 2, 8, 16, 32], 1024, few_pairs=False)
+    assert many == [(1, False), (2, True), (2, False), (8, True), (8, False)]
+    assert sweep_splits.candidates([16], 1024, few_pairs=True) == []  # 64-token splits

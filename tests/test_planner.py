@@ -145,16 +145,53 @@ def test_faster_memory_takes_longer_splits_as_measured_on_the_h200(batch, max_le
     assert h200_splits(batch, max_len) == expected
 
 
+def h200_plan(batch: int, max_len: int, num_kv_heads: int = 8, head_dim: int = 128,
+              group_size: int = 4) -> tuple[int, bool]:
+    config = choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size, head_dim,
+                             H200_BANDWIDTH), clusters=True)
+    return config.num_splits, config.cluster
+
+
+# Few pairs on the H200 (PERF_NOTES v37, tools/results/sweep_splits_*_h200.json): the fastest
+# count and merge measured, or within 2% of it.
+@pytest.mark.parametrize("batch, max_len, head_dim, expected", [
+    (1, 4096, 128, (8, True)),     # 256-token splits at one CTA per SM: the merge's latency
+    (1, 16384, 128, (16, False)),  # one CTA per SM, global merge
+    (2, 1024, 128, (4, True)), (2, 12000, 128, (8, False)), (2, 24000, 256, (8, False)),
+    (3, 12000, 128, (4, True)),    # 96 CTAs in clusters of 4 spread one per SM
+    (4, 1024, 128, (2, True)), (4, 16384, 128, (4, False)), (4, 3000, 64, (4, False)),
+    (8, 32768, 128, (2, True))])   # clusters of 2 spread at any count
+def test_few_pairs_on_the_h200_fill_the_sms_without_doubled_up_clusters(batch, max_len,
+                                                                          head_dim, expected):
+    assert h200_plan(batch, max_len, head_dim=head_dim) == expected
+
+
+def test_few_pairs_on_the_h200_keep_the_group_rule_and_the_global_cap():
+    assert h200_plan(4, 16384, group_size=16) == (4, False)  # groups over 8: global anyway
+    assert h200_plan(1, 32768, num_kv_heads=1)[0] == 8  # 128 splits would be 256 tokens each
+    assert h200_plan(1, 131072, num_kv_heads=1) == (MAX_GLOBAL_SPLITS, False)
+
+
+# Many pairs: head_dims 64 and 256 take twice head_dim 128's split length on faster memory only.
+@pytest.mark.parametrize("batch, max_len, head_dim, expected", [
+    (64, 8192, 64, 2), (64, 8192, 128, 4), (64, 8192, 256, 2), (32, 4096, 64, 1),
+    (32, 4096, 256, 1), (16, 16384, 64, 4)])
+def test_head_dims_64_and_256_take_longer_splits_on_the_h200(batch, max_len, head_dim, expected):
+    assert h200_plan(batch, max_len, head_dim=head_dim)[0] == expected
+    assert split_tokens(H100_BANDWIDTH, head_dim) == SPLIT_TOKENS
+
+
 @pytest.mark.parametrize("batch", [1, 2, 9, 17, 20, 24, 33, 40, 64, 100, 128])
 @pytest.mark.parametrize("num_kv_heads", [1, 8])
 @pytest.mark.parametrize("max_len", LENGTHS)
 def test_the_h100s_choices_ignore_a_known_bandwidth_and_the_wave_guard_keeps_splits_long(
         batch, num_kv_heads, max_len):
-    for group_size, clusters in itertools.product((4, 16), (False, True)):
-        known = choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size, 128,
-                                H100_BANDWIDTH), clusters=clusters)
-        assert known == choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size),
-                               clusters=clusters)
+    for group_size, clusters, head_dim in itertools.product((4, 16), (False, True),
+                                                            (64, 128, 256)):
+        known = choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size,
+                                head_dim, H100_BANDWIDTH), clusters=clusters)
+        assert known == choose(Workload(batch, num_kv_heads, max_len, H100_SMS, 0, group_size,
+                                        head_dim), clusters=clusters)
     count = h200_splits(batch, max_len, num_kv_heads)
     if 2 * batch * num_kv_heads > H100_SMS:  # rule 3, guard included
         assert count == 1 or count * SPLIT_TOKENS <= max_len

@@ -12,6 +12,14 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
    last wave of fewer CTAs than SMs (they stream alone, at one CTA's rate), the splits double
    if that fills the waves better and each stays at least SPLIT_TOKENS long (so the H100's
    choices are unchanged).
+   On faster memory (H200, PERF_NOTES v37) head_dims 64 and 256 aim for twice the tokens
+   (``SPLIT_TOKEN_SCALE``: 64 has half the bytes per token, 256 one CTA per SM).
+   Few pairs on faster memory: one CTA per SM merged in clusters where those spread one CTA
+   per SM (CLUSTER_GRID_SHARE); otherwise the global merge once each split holds
+   FULL_GRID_TOKENS tokens (half the SMs cannot draw the bandwidth), else half as many splits
+   merged in a cluster (short splits: the merge's latency is the time). Clusters of 4 or 8
+   over 128 CTAs measured 1.2-1.5x slower than the global merge at the same count (B=4
+   S=16384 4 splits 52.7 us vs 38.4).
 4. Never more than MAX_PORTABLE_SPLITS splits when they merge in a cluster (a portable
    thread-block cluster on sm_90: 10- to 16-CTA clusters measured slower), MAX_GLOBAL_SPLITS
    when they merge through global memory (B=1 Hkv=1 S=32768: 8 splits 38.9 us, 32 18.6, 64
@@ -47,7 +55,16 @@ MAX_GLOBAL_SPLITS = 64  # ... and for a merge through global memory
 SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU (rule 3) ...
 REFERENCE_BANDWIDTH = 3.4e12  # ... at up to this peak DRAM bandwidth (H100 SXM: 3.35 TB/s)
 MAX_SPLIT_TOKENS = 4096  # ... and at most this long on faster memory
-DEFAULT_CTAS_PER_SM = 2  # the 8-warp head_dim-128 variants' occupancy (rule 3's wave guard)
+DEFAULT_CTAS_PER_SM = 2  # the 8-warp head_dim-64/128 variants' occupancy (rule 3's wave guard)
+CTAS_PER_SM_BY_HEAD_DIM = {256: 1}  # ... and where it differs (H200 sweep, PERF_NOTES v37)
+# Faster memory than REFERENCE_BANDWIDTH only (H200, PERF_NOTES v37; the H100 keeps the rules
+# it was measured with): rule 3's split length per head_dim, and rule 2's one-CTA-per-SM grid.
+SPLIT_TOKEN_SCALE = {64: 2, 256: 2}
+FULL_GRID_TOKENS = 512
+# Clusters of 4-8 CTAs spread one per SM up to about this share of the SMs (96 CTAs in clusters
+# of 4 as fast as the global merge; 128 in clusters of 4 or 8 1.3-1.5x slower: the GPCs' SM
+# counts leave some clusters doubled up on SMs).
+CLUSTER_GRID_SHARE = 0.75
 TWO_TILE_SPLIT_TOKENS = 1024  # the shortest split that takes two tiles per warp step (rule 7)
 TWO_TILE_HEAD_DIMS = (128,)  # where rule 7 was measured
 DEFAULT_WARPS = 8  # rule 1; every warp default (TileConfig, variants, the demo) derives from it
@@ -110,10 +127,28 @@ def _power_of_two_at_most(value: int) -> int:
     return 1 << max(0, int(value).bit_length() - 1)
 
 
-def split_tokens(memory_bandwidth: float) -> int:
+def fast_memory(memory_bandwidth: float) -> bool:
+    """Whether the rules measured on the H200 apply (more bandwidth than the H100's)."""
+    return float(memory_bandwidth) > REFERENCE_BANDWIDTH
+
+
+def split_tokens(memory_bandwidth: float, head_dim: int = 128) -> int:
     """Rule 3's split length on a device with this peak DRAM bandwidth (bytes/s)."""
     scale = max(1.0, float(memory_bandwidth) / REFERENCE_BANDWIDTH)
-    return min(MAX_SPLIT_TOKENS, int(SPLIT_TOKENS * scale))
+    tokens = min(MAX_SPLIT_TOKENS, int(SPLIT_TOKENS * scale))
+    return tokens * (SPLIT_TOKEN_SCALE.get(head_dim, 1) if fast_memory(memory_bandwidth) else 1)
+
+
+def _few_pairs_splits(work: Workload, pairs: int, merge_in_cluster: bool) -> tuple[int, bool]:
+    """Rule 2 on faster memory: (splits, cluster merge) before the length caps."""
+    full = _power_of_two_at_most(work.sm_count // pairs)  # at most one CTA per SM
+    if full <= 2 or (full <= MAX_PORTABLE_SPLITS and
+                     full * pairs <= CLUSTER_GRID_SHARE * work.sm_count):
+        return full, merge_in_cluster  # the clusters spread one CTA per SM
+    split = work.max_len // full
+    if split >= FULL_GRID_TOKENS:
+        return min(full, MAX_GLOBAL_SPLITS), False
+    return min(full // 2, MAX_PORTABLE_SPLITS), merge_in_cluster
 
 
 def _wave_fill(ctas: int, slots: int) -> float:
@@ -134,19 +169,22 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     pairs = work.batch * work.num_kv_heads
     num_warps = num_warps or DEFAULT_WARPS
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
-    if 2 * pairs <= work.sm_count:
-        wanted = _power_of_two_at_most(work.sm_count // pairs)
-    else:
-        wanted = _power_of_two_at_most(
-            max(1, work.max_len // split_tokens(work.memory_bandwidth)))
-    by_length = max(1, work.max_len // min_tokens)
     # Groups over 8 heads merge through global memory: their cluster slots are 2x larger and
     # measured slower or not co-resident (B=32 S=4096 Hkv=1: 4 splits 31.6 us vs 22.0).
     merge_in_cluster = clusters and work.group_size <= 8
     few_pairs = 2 * pairs <= work.sm_count
+    if few_pairs and fast_memory(work.memory_bandwidth):
+        wanted, merge_in_cluster = _few_pairs_splits(work, pairs, merge_in_cluster)
+    elif few_pairs:
+        wanted = _power_of_two_at_most(work.sm_count // pairs)
+    else:
+        wanted = _power_of_two_at_most(
+            max(1, work.max_len // split_tokens(work.memory_bandwidth, work.head_dim)))
+    by_length = max(1, work.max_len // min_tokens)
     cap = MAX_GLOBAL_SPLITS if few_pairs and not merge_in_cluster else MAX_PORTABLE_SPLITS
     splits = max(1, min(wanted, by_length, cap))
-    slots = work.sm_count * (work.ctas_per_sm or DEFAULT_CTAS_PER_SM)
+    slots = work.sm_count * (work.ctas_per_sm or
+                             CTAS_PER_SM_BY_HEAD_DIM.get(work.head_dim, DEFAULT_CTAS_PER_SM))
     if (not few_pairs and 2 * splits <= min(by_length, cap) and
             work.max_len // (2 * splits) >= SPLIT_TOKENS and
             _short_last_wave(pairs * splits, slots, work.sm_count) and
