@@ -158,7 +158,9 @@ def h200_plan(batch: int, max_len: int, num_kv_heads: int = 8, head_dim: int = 1
     (1, 4096, 128, (8, True)),     # 256-token splits at one CTA per SM: the merge's latency
     (1, 16384, 128, (16, False)),  # one CTA per SM, global merge
     (2, 1024, 128, (4, True)), (2, 12000, 128, (8, False)), (2, 24000, 256, (8, False)),
-    (3, 12000, 128, (4, True)),    # 96 CTAs in clusters of 4 spread one per SM
+    (3, 3000, 128, (4, True)),     # 96 CTAs in clusters of 4 spread one per SM
+    (3, 12000, 128, (8, True)), (6, 24000, 128, (4, True)),  # a quarter idle: twice the CTAs
+    (6, 24000, 256, (2, True)),    # ... unless that takes a second wave (one CTA per SM)
     (4, 1024, 128, (2, True)), (4, 16384, 128, (4, False)), (4, 3000, 64, (4, False)),
     (8, 32768, 128, (2, True))])   # clusters of 2 spread at any count
 def test_few_pairs_on_the_h200_fill_the_sms_without_doubled_up_clusters(batch, max_len,
