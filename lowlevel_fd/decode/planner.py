@@ -15,7 +15,8 @@ The heuristic (measured on an H100, tools/PERF_NOTES.md and tools/tune.py):
    On faster memory (H200, PERF_NOTES v37) head_dims 64 and 256 aim for twice the tokens
    (``SPLIT_TOKEN_SCALE``: 64 has half the bytes per token, 256 one CTA per SM).
    Few pairs on faster memory: one CTA per SM merged in clusters where those spread one CTA
-   per SM (CLUSTER_GRID_SHARE); otherwise the global merge once each split holds
+   per SM (CLUSTER_GRID_SHARE; twice the splits where that leaves a quarter of the SMs idle
+   and two CTAs per SM fit); otherwise the global merge once each split holds
    FULL_GRID_TOKENS tokens (half the SMs cannot draw the bandwidth), else half as many splits
    merged in a cluster (short splits: the merge's latency is the time). Clusters of 4 or 8
    over 128 CTAs measured 1.2-1.5x slower than the global merge at the same count (B=4
