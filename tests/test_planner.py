@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 from lowlevel_fd.core.spec import KVCacheSpec
 from lowlevel_fd.core.support import DTYPES, HEAD_DIMS, WARP_COUNTS
 from lowlevel_fd.decode import CombineVariant, DecodeVariant, shipped_variants
-from lowlevel_fd.decode.planner import (DEFAULT_WARPS, MAX_CLUSTER, MAX_GLOBAL_SPLITS,
-                                        MAX_PORTABLE_SPLITS, MAX_SPLIT_TOKENS, MAX_SPLITS,
+from lowlevel_fd.decode.planner import (CLUSTER_MAX_CTA_HEADS, DEFAULT_WARPS, MAX_CLUSTER,
+                                        MAX_GLOBAL_SPLITS, MAX_PORTABLE_SPLITS,
+                                        MAX_SPLIT_TOKENS, MAX_SPLITS,
                                         SPLIT_TOKENS, TileConfig, Workload, choose,
                                         default_min_split_tokens, routes_to_multi, split_tokens,
                                         workspace_pairs_bound)
 from lowlevel_fd.decode.route import wants_multi
-from lowlevel_fd.decode.variants import CTA_HEADS, MASKED_CTA_HEADS
+from lowlevel_fd.decode.variants import CTA_HEADS, MASKED_CTA_HEADS, head_chunks
 from lowlevel_fd.decode.variants import LENGTHS as LENGTHS_PROGRAM
 
 H100_SMS, A100_SMS = 132, 108
@@ -296,6 +297,27 @@ def test_variant_launch_shape_fits_the_gpus(variant):
         assert variant.dynamic_shared_bytes <= SM80_SHARED_OPTIN
 
 
+def test_every_planned_variant_is_shipped():
+    """Whatever the planner picks (any group, batch, length, SM count and bandwidth, on
+    sm_90) is a program `compile` builds ahead of time and CI compiles."""
+    shipped = {v for v in shipped_variants() if isinstance(v, DecodeVariant)}
+    picked = set()
+    for group, batch, length, sms, bandwidth in itertools.product(
+            (1, 3, 4, 8, 12, 16, 32, 64), (1, 2, 8, 64), (64, 1024, 32768), (16, 132),
+            (0.0, 4.8e12)):
+        cta_heads, chunks, _ = head_chunks(group)
+        config = choose(Workload(batch, 8 * chunks, length, sms, 0, cta_heads, 128, bandwidth),
+                        clusters=True)
+        picked.add((group, config))
+    for (group, config), append, paged in itertools.product(picked, (False, True),
+                                                           (False, True)):
+        spec = (KVCacheSpec(8, 128, kv_layout="hnd", page_size=16) if paged
+                else KVCacheSpec(8, 128))
+        variant = DecodeVariant.planned(spec, group, "float16", config, append=append)
+        assert variant in shipped, variant
+    assert any(c.cluster for _, c in picked) and any(c.tiles == 2 for _, c in picked)
+
+
 @pytest.mark.parametrize("num_warps", [(8,), (2, 4, 8)])
 def test_shipped_variants_cover_the_support_matrix_once(num_warps):
     programs = list(shipped_variants(num_warps))
@@ -318,14 +340,16 @@ def test_shipped_variants_cover_the_support_matrix_once(num_warps):
     assert len(programs) == len(variants) + len(combines) + 1
     assert all(v.scale_dtype == "float32" for v in variants if v.scale_mode != "token")
     # Per head_dim, heads per CTA (exact or masked), q dtype and warp count: tensor, head,
-    # token fp32, token fp16 scales, each with a cluster and a global merge.
+    # token fp32, token fp16 scales, each with a global merge and, where the planner picks
+    # one (at most CLUSTER_MAX_CTA_HEADS heads per CTA), a cluster merge.
     single = {(v.head_dim, v.cta_heads, v.masked, v.dtype, v.scale_mode, v.scale_dtype,
                v.num_warps, v.cluster) for v in variants if v.tiles == 1}
     modes = (("tensor", "float32"), ("head", "float32"), ("token", "float32"),
              ("token", "float16"))
     expected = {(d, g, m, q, mode, sd, w, cluster)
                 for d, (g, m), q, w in itertools.product(HEAD_DIMS, kinds, DTYPES, num_warps)
-                for mode, sd in modes for cluster in (False, True)}
+                for mode, sd in modes for cluster in (False, True)
+                if g <= CLUSTER_MAX_CTA_HEADS or not cluster}
     assert single == expected
     # Planner rule 7's two-tile variants: head_dim 128, up to 8 heads per CTA, cluster merge.
     double = {(v.head_dim, v.cta_heads, v.masked, v.dtype, v.scale_mode, v.scale_dtype,

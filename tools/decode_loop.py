@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="bnsh",
                         help="bnsh/bsnh contiguous; nhd/hnd paged (--page-size)")
     parser.add_argument("--page-size", type=int, default=0,
-                        help="paged caches: tokens per page (pages in random physical order, "
-                             "one block table for every layer); 0: contiguous")
+                        help="paged caches: tokens per page (one block table for every "
+                             "layer); 0: contiguous")
+    parser.add_argument("--page-order", choices=("random", "ordered"), default="random",
+                        help="paged caches: pages in random physical order (default) or in "
+                             "order, each sequence's pages consecutive")
     parser.add_argument("--rope", choices=[str(style).lower() for style in ROPE_STYLES],
                         default="neox")
     parser.add_argument("--init", choices=("prompt", "random"), default="prompt",
@@ -75,7 +78,8 @@ class Loop:
                                  scale_dtype=self.scale_dtype, rope=self.rope,
                                  page_size=ps or None, key_transform=args.key_transform)
         total = args.context + args.warmup + args.steps
-        self.capacity = -(-total // 64) * 64
+        unit = max(64, args.page_size)  # whole pages: the plan's capacity is pages x page_size
+        self.capacity = -(-total // unit) * unit
         self.host_lengths = np.full(B, args.context, np.int32)
         self.rng = np.random.default_rng(args.seed)
         shape = {"bnsh": (B, Hkv, self.capacity, D), "bsnh": (B, self.capacity, Hkv, D)}.get(
@@ -83,10 +87,11 @@ class Loop:
         scale_shape = (B, Hkv, self.capacity) if self.scale_mode == "token" else (
             (1,) if self.scale_mode == "tensor" else (Hkv,))
         self.pages = {}
-        if ps:  # pools of B * capacity / ps pages, in random physical order
+        if ps:  # pools of B * capacity / ps pages, in random physical order unless ordered
             per_seq = -(-self.capacity // ps)
             count = B * per_seq
-            self.block_table = self.rng.permutation(count).reshape(B, per_seq).astype(np.int32)
+            ids = np.arange(count) if args.page_order == "ordered" else self.rng.permutation(count)
+            self.block_table = ids.reshape(B, per_seq).astype(np.int32)
             shape = (count, ps, Hkv, D) if args.kv_layout == "nhd" else (count, Hkv, ps, D)
             if self.scale_mode == "token":
                 scale_shape = (count, ps, Hkv) if args.kv_layout == "nhd" else (count, Hkv, ps)

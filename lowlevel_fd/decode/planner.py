@@ -52,6 +52,9 @@ from ..core import validate as check
 MAX_SPLITS = 128
 MAX_CLUSTER = 16  # the non-portable cluster size limit of sm_90
 MAX_PORTABLE_SPLITS = 8  # what the planner picks at most for a cluster merge
+# CTAs of more query heads merge through global memory: their cluster slots are 2x larger and
+# measured slower or not co-resident (B=32 S=4096 Hkv=1: 4 splits 31.6 us vs 22.0).
+CLUSTER_MAX_CTA_HEADS = 8
 MAX_GLOBAL_SPLITS = 64  # ... and for a merge through global memory
 SPLIT_TOKENS = 1024  # the split length the planner aims for when pairs fill the GPU (rule 3) ...
 REFERENCE_BANDWIDTH = 3.4e12  # ... at up to this peak DRAM bandwidth (H100 SXM: 3.35 TB/s)
@@ -181,9 +184,7 @@ def choose(work: Workload, *, num_warps: int | None = None, min_split_tokens: in
     pairs = work.batch * work.num_kv_heads
     num_warps = num_warps or DEFAULT_WARPS
     min_tokens = min_split_tokens or default_min_split_tokens(num_warps)
-    # Groups over 8 heads merge through global memory: their cluster slots are 2x larger and
-    # measured slower or not co-resident (B=32 S=4096 Hkv=1: 4 splits 31.6 us vs 22.0).
-    merge_in_cluster = clusters and work.group_size <= 8
+    merge_in_cluster = clusters and work.group_size <= CLUSTER_MAX_CTA_HEADS
     few_pairs = 2 * pairs <= work.sm_count
     if few_pairs and fast_memory(work.memory_bandwidth):
         wanted, merge_in_cluster = _few_pairs_splits(work, pairs, merge_in_cluster)

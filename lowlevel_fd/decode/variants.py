@@ -10,7 +10,8 @@ from typing import Iterator, Union
 from ..compiler import CompiledProgram, CompileOptions, compile_cached
 from ..core import support
 from ..core.spec import KVCacheSpec
-from .planner import DEFAULT_WARPS, MAX_SPLITS, TWO_TILE_HEAD_DIMS, TileConfig
+from .planner import (CLUSTER_MAX_CTA_HEADS, DEFAULT_WARPS, MAX_SPLITS, TWO_TILE_HEAD_DIMS,
+                      TileConfig)
 
 
 # Query heads per CTA the kernels are built for (the template GROUP): one or two head blocks of
@@ -184,13 +185,14 @@ Program = Union[DecodeVariant, CombineVariant, LengthsProgram]
 
 def shipped_variants(num_warps: tuple[int, ...] = (DEFAULT_WARPS,)) -> Iterator[Program]:
     """Every program the planner can pick (the CI compiles all of them): ``num_warps`` warps,
-    one tile per step, with a cluster or a global merge; and the two-tile cluster variants of
-    planner rule 7 (head_dim 128, up to 8 heads per CTA); each also with the fused append,
-    each exact and (MASKED_CTA_HEADS) masked, each over a contiguous and a paged cache; the
-    merges and the length bump. Other two-tile
-    variants compile on demand."""
+    one tile per step, with a global merge and (up to CLUSTER_MAX_CTA_HEADS heads per CTA) a
+    cluster merge; and the two-tile cluster variants of planner rule 7 (head_dim 128); each
+    also with the fused append, each exact and (MASKED_CTA_HEADS) masked, each over a
+    contiguous and a paged cache; the merges and the length bump. Variants only a caller's
+    TileConfig asks for (other two-tile ones, clusters of 16-head CTAs) compile on demand."""
     for dim, heads, dtype in itertools.product(support.HEAD_DIMS, CTA_HEADS, support.DTYPES):
-        two_tiles = dim in TWO_TILE_HEAD_DIMS and heads <= 8
+        clusters = (False, True) if heads <= CLUSTER_MAX_CTA_HEADS else (False,)
+        two_tiles = dim in TWO_TILE_HEAD_DIMS and heads <= CLUSTER_MAX_CTA_HEADS
         for masked in (False, True) if heads in MASKED_CTA_HEADS else (False,):
             for mode in support.SCALE_MODES:
                 for scale_dtype in support.SCALE_DTYPES[mode]:
@@ -198,7 +200,7 @@ def shipped_variants(num_warps: tuple[int, ...] = (DEFAULT_WARPS,)) -> Iterator[
                                                                   (False, True)):
                         common = dict(num_warps=warps, append=append, masked=masked,
                                       paged=paged)
-                        for cluster in (False, True):
+                        for cluster in clusters:
                             yield DecodeVariant(dim, heads, dtype, mode, scale_dtype,
                                                 cluster=cluster, **common)
                         if two_tiles:
