@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-early-reads", action="store_true",
                         help="fused: every layer waits for the previous kernel before reading "
                              "its lengths and cache (DecodeStep(early_reads=False))")
+    parser.add_argument("--splits", type=int, default=0,
+                        help="force the attention's split count (0: the planner's)")
+    parser.add_argument("--merge", choices=("cluster", "global"), default="cluster",
+                        help="with --splits: how the splits merge")
     parser.add_argument("--key-transform", choices=("none", "hadamard"), default="none",
                         help="KVCacheSpec key_transform: keys stored as H RoPE(k)")
     parser.add_argument("--seed", type=int, default=0)
@@ -116,6 +120,14 @@ class Loop:
                                max_seq_len=self.capacity, fused=not args.unfused,
                                early_reads=not args.no_early_reads, device=device)
         self.step.plan(self.host_lengths)  # the tokens cached before the first step
+        if args.splits:  # the attention re-planned with a forced split count and merge
+            from lowlevel_fd.decode.planner import TileConfig, default_min_split_tokens
+            config = TileConfig(num_splits=args.splits, cluster=args.merge == "cluster",
+                                min_split_tokens=default_min_split_tokens(8))
+            if args.unfused:
+                self.step.attention.plan(self.host_lengths + 1, config=config)
+            else:
+                self.step.attention.plan(self.host_lengths, config=config, append=True)
         self.fill_context()
         self.buffers = [LayerBuffers(cos_sin=self.table, **self.pages, **{
             name: a[name] for name in ("q", "k_new", "v_new", "out", *CACHES)})
@@ -272,13 +284,14 @@ def main(argv: list[str] | None = None) -> int:
           f"warm-up, +{args.steps} timed steps), H={loop.num_q_heads}/{loop.num_kv_heads} "
           f"D={args.head_dim} {args.kv_layout} {args.scale_mode} rope={args.rope} "
           f"init={args.init} {'unfused' if args.unfused else 'fused'}"
-          + (f" page {args.page_size} (random order)" if args.page_size else ""))
+          + (f" page {args.page_size} ({args.page_order} order)" if args.page_size else ""))
     print(f"L2 honesty: {kv_bytes / 2**20:.1f} MiB of int8 K/V per step in {L} distinct "
           f"caches, L2 = {device.info.l2_bytes / 2**20:.0f} MiB")
     print(f"graph: {sum(kinds.values())} nodes "
           f"{dict(kinds)}; {launches:.3g} kernel launches per layer (planned "
           f"{described['launches_per_layer']} per layer + {described['launches_per_step']} "
-          f"per step); attention splits {described['attention']['num_splits']}")
+          f"per step); attention splits {described['attention']['num_splits']}"
+          f"{' in a cluster' if described['attention'].get('cluster') else ''}")
     print(f"{'':8}{'us/step median [p20, p80]':>34}{'us/layer median [p20, p80]':>34}")
     summaries = {}
     for name, samples in (("graph", graph_us), ("eager", eager_us)):
