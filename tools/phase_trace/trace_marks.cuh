@@ -1,7 +1,8 @@
 // Per-CTA phase timestamps for a scratch build (tools/phase_trace/phases.py; PERF_NOTES v13, v28).
 // Not part of the library: copy this header into lowlevel_fd/cu/, apply a marks patch
-// (multi_wg_marks.patch: the 128-row warpgroup kernel and the split merge kernel), run
-// phases.py on the device, then revert both. A record is 8 words: [0] the kind (low byte) and
+// (multi_wg_marks.patch: the 128-row warpgroup kernel and the split merge kernel, read by
+// phases.py; decode_marks.patch: the decode kernel, read by phases_decode.py), run the script
+// on the device, then revert both. A record is 8 words: [0] the kind (low byte) and
 // blockIdx x / y / z (bits 8, 24, 40), [1..7] %globaltimer stamps (ns), 0 where not written.
 #pragma once
 extern "C" {
