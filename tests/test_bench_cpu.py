@@ -417,6 +417,38 @@ def test_phase_trace_records_parse_into_per_layer_phases():
     assert (row["cb_entry"], row["cb_wait"], row["cb_end"]) == (19.0, 22.0, 25.0)
 
 
+def test_decode_phase_trace_rows():
+    """tools/phase_trace/phases_decode.py: per-layer phases of the decode kernel's marks
+    (entry, wait, prologue, staged, loop, merged, end; ns)."""
+    import numpy as np
+    from phase_trace.phases_decode import layer_rows
+
+    stamps = []
+    for layer in range(3):
+        for cta in range(4):
+            t = 5000 * layer + 10 * cta
+            stamps.append([t, t + 3000, t + 500, t + 3500, t + 4500, t + 4800, t + 5200])
+    rows = layer_rows(np.array(stamps, dtype=np.int64), layers=3)
+    row = rows[2]
+    assert (row["period"], row["pre"], row["wait"], row["staged"]) == (5.0, 0.5, 3.0, 0.5)
+    assert round(row["after_prev"], 2) == 2.77 and round(row["end"], 2) == 5.23
+    assert (round(row["loop"], 2), round(row["merge"], 2), round(row["spread"], 2)) == (
+        1.0, 0.3, 0.03)
+
+
+@pytest.mark.parametrize("patch", ["decode_marks.patch", "multi_wg_marks.patch"])
+def test_phase_trace_patches_apply_to_the_kernels(patch):
+    """The marks patches still apply to lowlevel_fd/cu (the traces' procedure)."""
+    import shutil
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs git and the checkout")
+    result = subprocess.run(["git", "apply", "--check", f"tools/phase_trace/{patch}"],
+                            cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_probe_gather_heads_together_modes():
     from probe_gather import heads_together
 
