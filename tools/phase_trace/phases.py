@@ -34,6 +34,43 @@ def parse(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return kind, block, words[:, 1:].astype(np.int64)
 
 
+def trace_buffers() -> list[tuple[int, int, int]]:
+    """(records, bytes, counter) device addresses of every loaded module with trace marks."""
+    from lowlevel_fd.core import loader
+    from lowlevel_fd.driver import cu
+    buffers = []
+    for module, _ in list(loader._loaded.values()):
+        try:
+            ptr, size = cu.cuModuleGetGlobal(module.handle, b"llfd_trace")
+            count, _ = cu.cuModuleGetGlobal(module.handle, b"llfd_trace_n")
+        except Exception:  # a module without marks
+            continue
+        buffers.append((ptr, size, count))
+    return buffers
+
+
+def reset(buffers: list[tuple[int, int, int]]) -> None:
+    """Zero the record counters (the next records start at slot 0)."""
+    from lowlevel_fd.driver import cu
+    for _, _, count in buffers:
+        cu.cuMemsetD32(count, 0, 1)
+
+
+def read_records(buffers: list[tuple[int, int, int]]) -> dict[int, np.ndarray]:
+    """The records taken since ``reset``: stamps [n, 7] per kind, over all buffers."""
+    from lowlevel_fd.driver import cu
+    stamps: dict[int, list[np.ndarray]] = {}
+    for ptr, size, count in buffers:
+        n = np.zeros(1, np.uint32)
+        cu.cuMemcpyDtoH(n.ctypes.data, count, 4)
+        words = np.zeros(size // 8, np.uint64)
+        cu.cuMemcpyDtoH(words.ctypes.data, ptr, size)
+        kind, _, t = parse(words[:8 * min(int(n[0]), size // 64)])
+        for k in np.unique(kind):
+            stamps.setdefault(int(k), []).append(t[kind == k])
+    return {k: np.concatenate(v) for k, v in stamps.items()}
+
+
 def layer_rows(stamps_by_kind: dict[int, np.ndarray], layers: int) -> list[dict[str, float]]:
     """Per layer, the phases of the patch's records (kinds 1, 2, 3; each kind's records cut
     into ``layers`` equal groups by entry time). Microseconds."""
@@ -74,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     from benchlib.multi_torch import Cache
 
     from lowlevel_fd import MultiPlan
-    from lowlevel_fd.core import loader
-    from lowlevel_fd.driver import cu
 
     batch, (hq, hkv), d, seq = args.batch, map(int, args.heads.split(",")), args.head_dim, args.seq
     layers = layer_count(batch * hkv * seq * (2 * d + 8))  # int8 K and V, fp32 scales
@@ -109,32 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / layers)
     print(f"us per layer (events, median of 20): {np.median(times):.2f}")
-    buffers = []
-    for module, _ in list(loader._loaded.values()):
-        try:
-            ptr, size = cu.cuModuleGetGlobal(module.handle, b"llfd_trace")
-            count, _ = cu.cuModuleGetGlobal(module.handle, b"llfd_trace_n")
-        except Exception:  # a module without marks
-            continue
-        buffers.append((ptr, size, count))
+    buffers = trace_buffers()
     if not buffers:
         print("no trace marks in the loaded kernels: apply the patch first", file=sys.stderr)
         return 1
-    for _, _, count in buffers:
-        cu.cuMemsetD32(count, 0, 1)
+    reset(buffers)
     torch.cuda.synchronize()
     graph.replay()
     torch.cuda.synchronize()
-    stamps: dict[int, list[np.ndarray]] = {}
-    for ptr, size, count in buffers:
-        n = np.zeros(1, np.uint32)
-        cu.cuMemcpyDtoH(n.ctypes.data, count, 4)
-        words = np.zeros(size // 8, np.uint64)
-        cu.cuMemcpyDtoH(words.ctypes.data, ptr, size)
-        kind, _, t = parse(words[:8 * min(int(n[0]), size // 64)])
-        for k in np.unique(kind):
-            stamps.setdefault(int(k), []).append(t[kind == k])
-    rows = layer_rows({k: np.concatenate(v) for k, v in stamps.items()}, layers)
+    rows = layer_rows(read_records(buffers), layers)
     keys = list(rows[0])
     print("layer " + " ".join(f"{k:>12}" for k in keys))
     for i, row in enumerate(rows):

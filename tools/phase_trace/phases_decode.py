@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from phase_trace.phases import parse
+from phase_trace.phases import read_records, reset, trace_buffers
 
 MARKS = ("entry", "wait", "prologue", "staged", "loop", "merged", "end")
 
@@ -55,8 +55,7 @@ def layer_rows(stamps: np.ndarray, layers: int) -> list[dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     import decode_loop
-    from lowlevel_fd.core import loader
-    from lowlevel_fd.driver import Device, Stream, cu
+    from lowlevel_fd.driver import Device, Stream
 
     args = decode_loop.build_parser().parse_args(argv)
     device = Device(0)
@@ -68,14 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples, _ = decode_loop.timed_pass(loop, lambda: graph.launch(stream))
                 print(f"us per layer (events, median of {args.steps}): "
                       f"{np.median(samples) / args.layers:.2f}")
-                buffers = []
-                for module, _ in list(loader._loaded.values()):
-                    try:
-                        ptr, size = cu.cuModuleGetGlobal(module.handle, b"llfd_trace")
-                        count, _ = cu.cuModuleGetGlobal(module.handle, b"llfd_trace_n")
-                    except Exception:  # a module without marks
-                        continue
-                    buffers.append((ptr, size, count))
+                buffers = trace_buffers()
                 if not buffers:
                     print("no trace marks in the loaded kernels: apply the patch first",
                           file=sys.stderr)
@@ -83,21 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                 loop.restore()  # the initial lengths: the traced step stays within capacity
                 graph.launch(stream)  # one untraced step first (warm), then the traced one
                 stream.synchronize()
-                for _, _, count in buffers:
-                    cu.cuMemsetD32(count, 0, 1)
+                reset(buffers)
                 graph.launch(stream)
                 stream.synchronize()
-            records = []
-            for ptr, size, count in buffers:
-                n = np.zeros(1, np.uint32)
-                cu.cuMemcpyDtoH(n.ctypes.data, count, 4)
-                words = np.zeros(size // 8, np.uint64)
-                cu.cuMemcpyDtoH(words.ctypes.data, ptr, size)
-                kind, _, t = parse(words[:8 * min(int(n[0]), size // 64)])
-                records.append(t[kind == 1])
+            stamps = read_records(buffers).get(1, np.zeros((0, 7), np.int64))
         finally:
             loop.close()
-    stamps = np.concatenate(records)
     print(f"{len(stamps)} CTA records over {args.layers} layers")
     rows = layer_rows(stamps, args.layers)
     keys = list(rows[0])
