@@ -121,9 +121,10 @@ class Loop:
                                early_reads=not args.no_early_reads, device=device)
         self.step.plan(self.host_lengths)  # the tokens cached before the first step
         if args.splits:  # the attention re-planned with a forced split count and merge
-            from lowlevel_fd.decode.planner import TileConfig, default_min_split_tokens
+            from lowlevel_fd.decode.planner import (DEFAULT_WARPS, TileConfig,
+                                                    default_min_split_tokens)
             config = TileConfig(num_splits=args.splits, cluster=args.merge == "cluster",
-                                min_split_tokens=default_min_split_tokens(8))
+                                min_split_tokens=default_min_split_tokens(DEFAULT_WARPS))
             if args.unfused:
                 self.step.attention.plan(self.host_lengths + 1, config=config)
             else:
