@@ -1,6 +1,6 @@
 """The heads-together probe kernel (tools/benchlib/heads.cu, PERF_NOTES v32) against the
 float64 oracle: both paged layouts, every scale mode, one split and several (merged through
-global memory or in a cluster), ragged lengths with an empty row and page edges, and a bad page
+global memory by the last split, by the separate merge kernel, or in a cluster), ragged lengths with an empty row and page edges, and a bad page
 id (flagged, nothing read). Its timings are tools/probe_heads.py's."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ pytestmark = pytest.mark.gpu
 
 SCALES = [("token", "float32"), ("token", "float16"), ("head", "float32"),
           ("tensor", "float32")]
-# (KV heads per CTA, warps, stages, splits, cluster)
-CONFIGS = [(4, 8, 4, 1, False), (4, 8, 4, 3, False), (2, 8, 8, 3, True), (8, 16, 4, 2, False)]
+# (KV heads per CTA, warps, stages, splits, merge)
+CONFIGS = [(4, 8, 4, 1, "last"), (4, 8, 4, 3, "last"), (2, 8, 8, 3, "cluster"),
+           (8, 16, 4, 2, "last"), (4, 8, 4, 3, "kernel")]
 LENGTHS = [0, 15, 16, 17, 53, 1037]  # an empty row, both sides of a page edge, many pages
 
 
@@ -43,8 +44,9 @@ def run_probe(layout: str, scale: tuple[str, str], config: tuple, bad_row: int |
             table[bad_row, 0] = work.num_pages + 3
             layers.pages["block_table"].close()
             layers.pages["block_table"] = DeviceArray.from_numpy(table, device)
-        heads, warps, stages, splits, cluster = config
-        probe = HeadsBench(bench, heads, warps, stages, splits, cluster=cluster)
+        heads, warps, stages, splits, merge = config
+        probe = HeadsBench(bench, heads, warps, stages, splits, cluster=merge == "cluster",
+                           merge="last" if merge == "cluster" else merge)
         result = probe.check()
         out = layers.layers[0]["out"].numpy().astype(np.float64)
         rows, ref = layers.reference()
@@ -53,8 +55,7 @@ def run_probe(layout: str, scale: tuple[str, str], config: tuple, bad_row: int |
         bench.close()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "h{}w{}s{}x{}{}".format(
-    *c[:4], "c" if c[4] else "g"))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "h{}w{}s{}x{}-{}".format(*c))
 @pytest.mark.parametrize("scale", SCALES, ids=lambda s: "-".join(s))
 @pytest.mark.parametrize("layout", ["hnd", "nhd"])
 def test_heads_probe_matches_the_oracle(layout, scale, config):
@@ -66,7 +67,8 @@ def test_heads_probe_matches_the_oracle(layout, scale, config):
     assert np.all(out[0] == 0)  # the empty row: zeros, written
 
 
-@pytest.mark.parametrize("config", CONFIGS[:3], ids=["one-split", "global", "cluster"])
+@pytest.mark.parametrize("config", CONFIGS[:3] + CONFIGS[4:],
+                         ids=["one-split", "global", "cluster", "merge-kernel"])
 def test_heads_probe_flags_a_bad_page_id_and_keeps_the_other_rows(config):
     from lowlevel_fd import ERROR_BAD_PAGE
     result, out, rows, ref = run_probe("hnd", ("token", "float32"), config, bad_row=5)

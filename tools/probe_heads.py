@@ -24,6 +24,7 @@ from benchlib.workloads import SCALE_MODES, Workload, layer_count, parse_shapes
 
 from lowlevel_fd import TileConfig
 from lowlevel_fd.core.loader import load_kernels
+from lowlevel_fd.decode.variants import CombineVariant
 from lowlevel_fd.driver import LaunchConfig
 
 
@@ -31,7 +32,7 @@ class HeadsBench:
     """decode_heads over a WorkloadBench's layers."""
 
     def __init__(self, bench: WorkloadBench, kv_heads: int, warps: int, stages: int,
-                 splits: int, merge: bool = True, cluster: bool = False) -> None:
+                 splits: int, merge: str = "last", cluster: bool = False) -> None:
         w = bench.workload
         self.bench = bench
         group = w.num_q_heads // w.num_kv_heads
@@ -41,6 +42,15 @@ class HeadsBench:
                                     cluster=cluster and splits > 1)
         bench.replan(TileConfig(num_splits=splits, cluster=False, fused_merge=True,
                                 cta_heads=group))
+        # "kernel": the splits store their partials and decode_combine (the shipped plan's
+        # separate merge, same partial layout) merges them behind a programmatic launch, so
+        # no attention CTA holds its slot for the merge (PERF_NOTES v32's next step).
+        self.combine = None
+        if merge == "kernel" and splits > 1 and not self.variant.cluster:
+            variant = CombineVariant(w.head_dim, group, w.q_dtype)
+            self.combine = (load_kernels(variant, bench.plan.device)[0],
+                            LaunchConfig((w.num_kv_heads, w.batch), variant.threads,
+                                         variant.shared_bytes, programmatic=True))
         kernel = load_kernels(self.variant, bench.plan.device)[0]
         shared = self.variant.shared_bytes(splits)
         kernel.allow_dynamic_shared(shared)
@@ -55,11 +65,14 @@ class HeadsBench:
         self.launches = []
         for layer in range(bench.num_layers):
             call = bench.plan.prepare_run(*layers.args(layer), **layers.pages)
-            call._params.fused_merge = int(merge)  # 0: partials only (timing, output wrong)
+            # "none": partials only (timing; the output is wrong past one split)
+            call._params.fused_merge = int(merge == "last")
             a = layers.layers[layer]
             scales = (a["k_scale"], a["v_scale"]) if w.scale_mode == "token" else (None, None)
             maps = encode_maps(w.kv_layout, kv_heads, a["k"], a["v"], *scales)
             self.launches.append(kernel.prepare(config, call._params, maps))
+            if self.combine is not None:
+                self.launches.append(self.combine[0].prepare(self.combine[1], call._params))
 
     def step(self) -> None:
         for launch in self.launches:
@@ -68,7 +81,8 @@ class HeadsBench:
     def check(self) -> dict:
         layers, stream = self.bench.layers, self.bench.stream
         layers.layers[0]["out"].fill(float("nan"), stream=stream)
-        self.launches[0].launch(stream)
+        for launch in self.launches[:1 + (self.combine is not None)]:
+            launch.launch(stream)
         stream.synchronize()
         result = layers.check_output()
         result["flags"] = self.bench.plan.error_flags(stream=stream)
@@ -92,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", default="1,2,4", help="splits per sequence")
     parser.add_argument("--scales", default="token")
     parser.add_argument("--shipped", type=int, default=1, help="0: skip the shipped paged rows")
-    parser.add_argument("--merge", type=int, default=1,
-                        help="0: the split partials are written but never merged (timing "
-                             "only: the check then fails for more than one split)")
+    parser.add_argument("--merge", default="last", choices=("last", "kernel", "none"),
+                        help="without a cluster: the last split merges (last), decode_combine "
+                             "merges behind a programmatic launch (kernel), or the partials "
+                             "are written and never merged (none: timing only, the check "
+                             "then fails for more than one split)")
     parser.add_argument("--cluster", default="1", help="comma list: 1 merges the splits in a "
                                                          "cluster, 0 through global memory")
     parser.add_argument("--ragged", action="store_true",
@@ -139,18 +155,20 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # a stage serves one phase of warps (benchlib/heads.cu)
                     try:
                         hb = HeadsBench(bench, int(heads), int(warps), int(stages), int(splits),
-                                        bool(args.merge), cluster == "1")
+                                        args.merge, cluster == "1")
                     except Exception as exc:  # shared memory or registers do not fit
                         print(f"{label} h{heads}w{warps}s{stages}: {exc}", flush=True)
                         continue
                     check = hb.check()
                     us = hb.us(args.iters)
-                    name = (f"h{heads}w{warps}s{stages}{'c' if hb.variant.cluster else 'g'}"
+                    kind = ("c" if hb.variant.cluster else "k" if hb.combine is not None
+                            else "g")
+                    name = (f"h{heads}w{warps}s{stages}{kind}"
                             f"r{hb.registers}o{hb.ctas_per_sm}")
                     print(f"{label} {name:>17} {splits:>6} {us:>8.2f} {us / base:>6.3f} "
                           f"{check['max_rel_err']:>8.1e}"
                           f"{'' if check['ok'] else ' FAILED ' + str(check)}", flush=True)
-                    failed += not check["ok"] and (args.merge or splits == "1")
+                    failed += not check["ok"] and (args.merge != "none" or splits == "1")
             finally:
                 bench.close()
     return 1 if failed else 0
