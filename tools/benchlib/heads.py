@@ -95,8 +95,10 @@ def _compile(arch: str, names: tuple[str, ...]) -> CompiledProgram:
     return compile_source(SOURCE.read_text(), SOURCE.name, options, names)
 
 
-def _encode(dtype_name: str, array_ptr: int, dims: list[int], strides: list[int],
-            box: list[int], swizzle: bool) -> TensorMap:
+def encode_tiled(dtype_name: str, array_ptr: int, dims: list[int], strides: list[int],
+                 box: list[int], swizzle: bool) -> TensorMap:
+    """A tiled tensor map (innermost dimension first; strides in bytes from the second),
+    with the 128-byte swizzle or none."""
     from cuda.bindings import driver as d
 
     from lowlevel_fd.driver._api import cu
@@ -128,7 +130,7 @@ def encode_maps(layout: str, kv_heads: int, k: DeviceArray, v: DeviceArray,
     page_axis, head_axis, token_axis = _axes(layout)
     for name, pool in (("k", k), ("v", v)):
         shape, strides = pool.shape, pool.strides
-        setattr(maps, name, _encode(
+        setattr(maps, name, encode_tiled(
             "CU_TENSOR_MAP_DATA_TYPE_UINT8", pool.ptr,
             [shape[3], shape[token_axis], shape[head_axis], shape[page_axis]],
             [strides[token_axis], strides[head_axis], strides[page_axis]],
@@ -148,5 +150,5 @@ def encode_maps(layout: str, kv_heads: int, k: DeviceArray, v: DeviceArray,
                 dims = [shape[token_axis], shape[head_axis], shape[page_axis]]
                 steps = [strides[head_axis], strides[page_axis]]
                 box = [ROW_BOX_TOKENS, kv_heads, 1]
-            setattr(maps, name, _encode(dtype, pool.ptr, dims, steps, box, False))
+            setattr(maps, name, encode_tiled(dtype, pool.ptr, dims, steps, box, False))
     return maps
