@@ -1,7 +1,7 @@
 """The int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39)
 against the float64 oracle with q rounded as the kernel rounds it: groups that fill and do
 not fill the 64 rows, one and two KV heads, lengths on both sides of the 64-token tiles, an
-empty row, and both ring depths. Its timings are tools/probe_mqa_int8.py's."""
+empty row, shallow and deep rings, one computing warpgroup and two. Its timings are tools/probe_mqa_int8.py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,8 @@ pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 63, 64, 65, 700, 1024]
 
 
-@pytest.mark.parametrize("config", [(6, 3), (2, 2), (8, 4)], ids=lambda c: "s{}c{}".format(*c))
+@pytest.mark.parametrize("config", [(6, 3, 1), (2, 2, 1), (6, 3, 2), (4, 4, 2), (2, 2, 2)],
+                         ids=lambda c: "s{}c{}t{}".format(*c))
 @pytest.mark.parametrize("heads", [(64, 1), (32, 1), (17, 1), (96, 2)],
                          ids=lambda h: "{}-{}".format(*h))
 def test_mqa_int8_probe_matches_the_rounded_q_oracle(heads, config):

@@ -7,7 +7,7 @@ reference measured in the same run (PERF_NOTES v39).
     PYTHONPATH=.:tools python3 tools/probe_mqa_int8.py --shapes '128,64,1,4096;128,32,1,4096'
 
 Shapes are B,Hq,Hkv,S (contiguous bnsh, fp32 token scales, head_dim 128); --configs lists the
-kernel's STAGESxCOPIES variants.
+kernel's STAGESxCOPIESxTEAMS variants.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from benchlib.workloads import Workload, layer_count
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="128,64,1,4096;128,32,1,4096;32,64,1,4096")
-    parser.add_argument("--configs", default="6x3,8x4", help="STAGESxCOPIES, comma-separated")
+    parser.add_argument("--configs", default="6x3x1,6x3x2,4x4x2",
+                        help="STAGESxCOPIESxTEAMS, comma-separated")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream
@@ -55,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             row(f"shipped {described['backend']}", bench.graph_us(warmup=10, iters=args.iters),
                 "-", check["max_rel_err"])
             for config in args.configs.split(","):
-                stages, copies = (int(x) for x in config.split("x"))
-                probe = MqaBench(bench, MqaVariant(stages, copies))
+                probe = MqaBench(bench, MqaVariant(*(int(x) for x in config.split("x"))))
                 check = probe.check()
                 failed += not check["ok"]
                 samples = time_graph(probe.step, stream, warmup=10, iters=args.iters)

@@ -10,9 +10,12 @@
 //
 // CTA: warpgroup 0 copies (thread 0: a ring of STAGES int8 tiles of 64 tokens, each tile's
 // K, V and scales on one mbarrier) and widens V and the scales into COPIES copies in
-// multi_wg's copy layout (WgLayout: only its V and scale regions exist here); warpgroup 1
-// computes, softmax and products as multi_wg.cu's. Hand-overs by mbarriers: full (tile
-// landed), empty (its S has read K), cfull (copy written), cempty (its P V has read it).
+// multi_wg's copy layout (WgLayout: only its V and scale regions exist here); TEAMS computing
+// warpgroups (1 or 2) take the tiles in turn (team w: tiles w, w + TEAMS, ...), each with its
+// own online softmax over the same 64 rows (softmax and products as multi_wg.cu's), merged in
+// shared memory at the end. Hand-overs by mbarriers, each completed by the tile's team alone:
+// full (tile landed), empty (its S has read K), cfull (copy written), cempty (its P V has read
+// it).
 // Contiguous bnsh cache, per-token fp32 scales, one split, head_dim 128, a capacity that is a
 // multiple of 64 (a tile's scales are one 256-byte copy).
 #include "multi_wg_rows.cuh"  // softmax_tile, issue_values, rescale_rows
@@ -33,7 +36,7 @@ struct MqaParams {
 // K and V as (128 bytes, capacity, B * Hkv), boxes of (128, 64, 1), 128-byte swizzle.
 struct MqaMaps { TensorMap k, v; };
 
-template <int STAGES, int COPIES>
+template <int STAGES, int COPIES, int TEAMS = 1>
 struct MqaLayout {
   using W = WgLayout<128>;
   static constexpr int kTokens = 64;
@@ -43,7 +46,10 @@ struct MqaLayout {
   // A copy is WgLayout's V and scale regions; its base lies kCopyV before them.
   static constexpr int kCopySpan = W::kCopyBytes - W::kCopyV;
   static constexpr int kCopy0 = STAGES * kStageBytes;
-  static constexpr int kBytes = kCopy0 + COPIES * kCopySpan;
+  // Two teams: the second's accumulators ([64][128 threads]), then its rows' offsets and sums
+  // ([2][128] each).
+  static constexpr int kMerge = kCopy0 + COPIES * kCopySpan;
+  static constexpr int kBytes = kMerge + (TEAMS == 2 ? 68 * 128 * 4 : 0);
   static_assert(kCopySpan % 1024 == 0 && kCopy0 >= W::kCopyV, "aligned copies in the window");
 };
 
@@ -168,10 +174,20 @@ __device__ __forceinline__ void widen_v(const char* stage, char* copy, int t0, i
   }
 }
 
-template <int STAGES, int COPIES>
-__global__ void __launch_bounds__(256, 1)
+// setmaxnreg (two teams: 384 threads start at 168 registers; 72 + 2 x 216 fits the pool).
+template <int N>
+__device__ __forceinline__ void mqa_max_registers() {
+  if constexpr (N < 168)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+template <int STAGES, int COPIES, int TEAMS>
+__global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
-  using L = MqaLayout<STAGES, COPIES>;
+  static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
+  using L = MqaLayout<STAGES, COPIES, TEAMS>;
   using W = WgLayout<128>;
   extern __shared__ __align__(128) char smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
@@ -198,6 +214,7 @@ __global__ void __launch_bounds__(256, 1)
   };
 
   if (wg == 0) {
+    if constexpr (TEAMS == 2) mqa_max_registers<72>();
     const int row = b * p.num_kv_heads + kvh;
     auto issue = [&](int t) __attribute__((always_inline)) {  // thread 0
       const int s = t % STAGES;
@@ -230,7 +247,9 @@ __global__ void __launch_bounds__(256, 1)
     return;
   }
 
-  // ---- the computing warpgroup: rows r_lo and r_lo + 8 of this lane ----
+  // ---- the computing warpgroups (team cw): rows r_lo and r_lo + 8 of this lane ----
+  if constexpr (TEAMS == 2) mqa_max_registers<216>();
+  const int cw = wg - 1;
   const int r_lo = 16 * (warp % 4) + g;
   uint32_t qa[4][4];
   float row_const[2];
@@ -255,51 +274,93 @@ __global__ void __launch_bounds__(256, 1)
     softmax_tile<128, true>(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j), col0 + 64 > len,
                             col0, visible, c);
   };
-  if (tiles > 0) {
-    mbar_wait(full, 0);
+  if (cw < tiles) {
+    mbar_wait(full + 8 * (cw % STAGES), (cw / STAGES) & 1);
     wgmma_fence();
-    issue_scores_s8(si, qa, stage_k(0));
+    issue_scores_s8(si, qa, stage_k(cw));
     wgmma_wait<0>();
     fence_ints(si);
-    mbar_arrive(empty);
-    mbar_wait(cfull, 0);
-    ks.load(copy_of(0), c);
-    softmax(0, a);
+    mbar_arrive(empty + 8 * (cw % STAGES));
+    mbar_wait(cfull + 8 * (cw % COPIES), (cw / COPIES) & 1);
+    ks.load(copy_of(cw), c);
+    softmax(cw, a);
   }
-  // Tile j: S(j + 1) with P(j) V(j) on the tensor cores, then the softmax of S(j + 1). Past
-  // the last tile S reads a stale stage (nobody writes it then) and is dropped: the issues and
-  // waits stay outside any branch (multi_wg.cu: ptxas serializes a group across one).
+  // The team's tile j: S(j + TEAMS) with P(j) V(j) on the tensor cores, then the softmax of
+  // S(j + TEAMS). Past the last tile S reads a stale stage (no copy is in flight into it then)
+  // and is dropped: the issues and waits stay outside any branch (multi_wg.cu: ptxas
+  // serializes a group across one).
   auto tile_step = [&](int j, uint32_t (&cur)[4][4], uint32_t (&nxt)[4][4])
       __attribute__((always_inline)) {
-    const bool more = j + 1 < tiles;
-    if (more) mbar_wait(full + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+    const int next = j + TEAMS;
+    const bool more = next < tiles;
+    if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
     rescale_rows(o, corr);
     wgmma_fence();
-    issue_scores_s8(si, qa, stage_k(j + 1));
+    issue_scores_s8(si, qa, stage_k(next));
     issue_values<128>(o, cur, base + (copy_of(j) - smem));
     wgmma_wait<1>();
     fence_ints(si);
     if (more) {
-      mbar_arrive(empty + 8 * ((j + 1) % STAGES));
-      mbar_wait(cfull + 8 * ((j + 1) % COPIES), ((j + 1) / COPIES) & 1);
-      ks.load(copy_of(j + 1), c);
-      softmax(j + 1, nxt);
+      mbar_arrive(empty + 8 * (next % STAGES));
+      mbar_wait(cfull + 8 * (next % COPIES), (next / COPIES) & 1);
+      ks.load(copy_of(next), c);
+      softmax(next, nxt);
     }
     wgmma_wait<0>();
     fence_operands(o);
     mbar_arrive(cempty + 8 * (j % COPIES));
   };
 #pragma unroll 1
-  for (int j = 0; j < tiles; j += 2) {
+  for (int j = cw; j < tiles; j += 2 * TEAMS) {
     tile_step(j, a, a_next);
-    if (j + 1 < tiles) tile_step(j + 1, a_next, a);
+    if (j + TEAMS < tiles) tile_step(j + TEAMS, a_next, a);
   }
   allow_next_grid();
+
+  float sums[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) sums[hr] = warp_sum_xor(l[hr], 2);
+  if constexpr (TEAMS == 2) {
+    // Team 1 leaves its accumulators and its rows' (offset, sum) in shared memory; team 0
+    // folds them in with the usual weights: each state is O and l relative to 2^(m + shift).
+    float* const merge = reinterpret_cast<float*>(smem + L::kMerge);
+    const int t = threadIdx.x % 128;
+    float offset[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) offset[hr] = m[hr] == kNegInf ? kNegInf : m[hr] + vr.shift;
+    if (cw == 1) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) merge[i * 128 + t] = o[i];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        merge[(64 + hr) * 128 + t] = offset[hr];
+        merge[(66 + hr) * 128 + t] = sums[hr];
+      }
+      asm volatile("bar.arrive 3, 256;" ::: "memory");
+      return;
+    }
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float other = merge[(64 + hr) * 128 + t];
+      const float top = fmaxf(offset[hr], other);
+      const float w0 = offset[hr] == kNegInf ? 0.f : fast_exp2(offset[hr] - top);
+      const float w1 = other == kNegInf ? 0.f : fast_exp2(other - top);
+      sums[hr] = sums[hr] * w0 + merge[(66 + hr) * 128 + t] * w1;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 4 * j + 2 * hr + e;
+          o[i] = o[i] * w0 + merge[i * 128 + t] * w1;
+        }
+    }
+  }
 
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int r = r_lo + 8 * hr;
-    const float sum = warp_sum_xor(l[hr], 2);
+    const float sum = sums[hr];
     if (r >= p.group) continue;
     const float f = sum > 0.f ? 1.f / sum : 0.f;
     uint32_t* dst = reinterpret_cast<uint32_t*>(p.out + b * p.out_batch_stride +

@@ -47,19 +47,26 @@ assert ctypes.sizeof(MqaParams) == 80 and ctypes.sizeof(MqaMaps) == 256
 
 @dataclass(frozen=True)
 class MqaVariant:
-    """One instantiation of mqa_int8: int8 tiles in flight, widened V copies."""
+    """One instantiation of mqa_int8: int8 tiles in flight, widened V copies, computing
+    warpgroups."""
 
     stages: int = 6
     copies: int = 3
-    threads = 256
+    teams: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.teams)
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return (f"llfd::mqa_int8<{self.stages}, {self.copies}>",)
+        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}>",)
 
     @property
     def shared_bytes(self) -> int:
-        return (self.stages + self.copies) * SPAN + 1024  # + the 1024-byte alignment
+        """Stages and copies, the second team's merge area, and 1 KiB to align them."""
+        merge = 68 * 128 * 4 if self.teams == 2 else 0
+        return (self.stages + self.copies) * SPAN + merge + 1024
 
     def compile(self, arch: str) -> CompiledProgram:
         """For sm_90a whatever Hopper ``arch`` says: wgmma is arch-specific."""
