@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 63, 64, 65, 700, 1024]
 
 
-@pytest.mark.parametrize("config", [(6, 3, 1), (2, 2, 1), (6, 3, 2), (4, 4, 2), (2, 2, 2)],
+@pytest.mark.parametrize("config", [(6, 3, 1), (2, 2, 1), (4, 4, 2), (6, 4, 2), (2, 5, 2)],
                          ids=lambda c: "s{}c{}t{}".format(*c))
 @pytest.mark.parametrize("heads", [(64, 1), (32, 1), (17, 1), (96, 2)],
                          ids=lambda h: "{}-{}".format(*h))

@@ -90,9 +90,11 @@ __device__ __forceinline__ void issue_scores_s8(int (&s)[32], const uint32_t (&q
   wgmma_commit();
 }
 
-// This lane's rows r_lo and r_lo + 8 of the group, quantized per row: int8 = rint(x / scale),
-// scale = the row's largest |x| / 127 (in fp32, as benchlib/mqa_int8.py's oracle does). Rows
-// past the group are zero. row_const: the score scale in base 2 times the row's scale.
+// This lane's rows r_lo and r_lo + 8 of the group, quantized per row: int8 = rint(x * inv),
+// inv = 127 / the row's largest |x|, the row's scale 1 / inv (in fp32, as
+// benchlib/mqa_int8.py's oracle does; one division per row: 64 IEEE divisions per lane were
+// a long prologue). Rows past the group are zero. row_const: the score scale in base 2 times
+// the row's scale.
 __device__ __forceinline__ void load_query_s8(uint32_t (&qa)[4][4], float (&row_const)[2],
                                               const MqaParams& p, int b, int kvh, int r_lo,
                                               int c) {
@@ -116,7 +118,7 @@ __device__ __forceinline__ void load_query_s8(uint32_t (&qa)[4][4], float (&row_
         }
       }
     top = warp_max_xor(top, 2);  // the row's four lanes
-    const float scale = top / 127.f;
+    const float inv = top > 0.f ? __fdiv_rn(127.f, top) : 0.f;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -124,31 +126,32 @@ __device__ __forceinline__ void load_query_s8(uint32_t (&qa)[4][4], float (&row_
         uint32_t packed = 0;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int v = top > 0.f ? __float2int_rn(__fdiv_rn(x[kk][h][e], scale)) : 0;
+          const int v = __float2int_rn(__fmul_rn(x[kk][h][e], inv));
           packed |= static_cast<uint32_t>(min(127, max(-127, v)) & 0xff) << (8 * e);
         }
         qa[kk][hr + 2 * h] = packed;
       }
-    row_const[hr] = fmaxf(p.score_scale_log2 * scale, 1.17549435e-38f);
+    row_const[hr] = fmaxf(p.score_scale_log2 * (top > 0.f ? __fdiv_rn(1.f, inv) : 0.f),
+                          1.17549435e-38f);
   }
 }
 
 // A landed tile's V (int8, TMA's swizzle = MultiTile's) -> fp16 in the copy, and its K and V
 // scales into the copy's rows (widen_tile's scale half). V scales of tokens at or past `len`
 // are zeroed: their P is 0, but the pool may hold anything there.
-template <int STAGES, int COPIES>
+template <int STAGES, int COPIES, bool CONVERT = true>
 __device__ __forceinline__ void widen_v(const char* stage, char* copy, int t0, int len) {
-  using L = MqaLayout<STAGES, COPIES>;
+  using L = MqaLayout<STAGES, COPIES>;  // the stage layout does not depend on TEAMS
   using W = WgLayout<128>;
   using T = MultiTile<128, 64, 128>;
   uint4 in[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
     const int idx = static_cast<int>(threadIdx.x) + 128 * i;
     in[i] = *reinterpret_cast<const uint4*>(stage + L::kV + T::offset(idx % 64, idx / 64));
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
     const int idx = static_cast<int>(threadIdx.x) + 128 * i, t = idx % 64, ch = idx / 64;
     const uint32_t words[4] = {in[i].x, in[i].y, in[i].z, in[i].w};
     uint32_t h[8];
@@ -183,10 +186,15 @@ __device__ __forceinline__ void mqa_max_registers() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
-template <int STAGES, int COPIES, int TEAMS>
+// CONTROL (timing controls, outputs wrong; 0 ships in every test): bit 0 skips V's widening
+// (the scales are still copied), bit 1 the softmax (P stays as it was).
+template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0>
 __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
   static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
+  // A team holds the copy of its tile j (P V) while it waits for that of j + TEAMS (softmax):
+  // with fewer copies those are one and the same, and it waits for itself.
+  static_assert(COPIES >= 2 * TEAMS, "two copies per team");
   using L = MqaLayout<STAGES, COPIES, TEAMS>;
   using W = WgLayout<128>;
   extern __shared__ __align__(128) char smem_raw[];
@@ -238,7 +246,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       const int s = j % STAGES;
       mbar_wait(full + 8 * s, (j / STAGES) & 1);
       if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
-      widen_v<STAGES, COPIES>(smem + s * L::kStageBytes, copy_of(j), 64 * j, len);
+      widen_v<STAGES, COPIES, !(CONTROL & 1)>(smem + s * L::kStageBytes, copy_of(j), 64 * j, len);
       fence_proxy_async();
       mbar_arrive(cfull + 8 * (j % COPIES));
       asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
@@ -271,6 +279,10 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = static_cast<float>(si[i]);
     const int col0 = 64 * j;
+    if constexpr ((CONTROL & 2) != 0) {
+      p_out[0][0] ^= static_cast<uint32_t>(si[0]) & 1u;  // keeps S live; P barely changes
+      return;
+    }
     softmax_tile<128, true>(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j), col0 + 64 > len,
                             col0, visible, c);
   };

@@ -53,6 +53,12 @@ class MqaVariant:
     stages: int = 6
     copies: int = 3
     teams: int = 1
+    control: int = 0  # timing controls (mqa_int8.cu CONTROL): outputs wrong unless 0
+
+    def __post_init__(self) -> None:
+        if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams:
+            raise ValueError(f"mqa_int8: 1 or 2 teams, >= 2 stages and >= 2 copies per team "
+                             f"(a team holds one copy while it waits for the next), got {self}")
 
     @property
     def threads(self) -> int:
@@ -60,7 +66,7 @@ class MqaVariant:
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}>",)
+        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}>",)
 
     @property
     def shared_bytes(self) -> int:
@@ -82,13 +88,15 @@ def _compile(arch: str, names: tuple[str, ...]) -> CompiledProgram:
 
 
 def quantize_rows(q: np.ndarray) -> np.ndarray:
-    """q rounded as the kernel rounds it, per row of the last axis: int8 = rint(x / s) with
-    s = max|x| / 127 in fp32; returned dequantized (float64)."""
+    """q rounded as the kernel rounds it, per row of the last axis: int8 = rint(x * inv) with
+    inv = 127 / max|x| and the row's scale 1 / inv, all in fp32; returned dequantized
+    (float64)."""
     x = q.astype(np.float32)
     top = np.abs(x).max(axis=-1, keepdims=True)
-    scale = top / np.float32(127)
     with np.errstate(divide="ignore", invalid="ignore"):
-        steps = np.where(top > 0, np.rint(x / scale), 0).clip(-127, 127)
+        inv = np.where(top > 0, np.float32(127) / top, np.float32(0)).astype(np.float32)
+        scale = np.where(inv > 0, np.float32(1) / inv, np.float32(0)).astype(np.float32)
+    steps = np.rint(x * inv).clip(-127, 127)
     return steps.astype(np.float64) * scale.astype(np.float64)
 
 
