@@ -15,7 +15,7 @@ LENGTHS = [0, 1, 63, 64, 65, 700, 1024]
 
 @pytest.mark.parametrize("config", [(6, 3, 1, False), (2, 2, 1, False), (4, 4, 2, False),
                                     (6, 4, 2, False), (2, 5, 2, False), (4, 4, 2, True),
-                                    (3, 6, 2, True), (3, 2, 1, True)],
+                                    (3, 6, 2, True), (2, 2, 1, True)],
                          ids=lambda c: "s{}c{}t{}".format(*c[:3]) + ("-pairs" if c[3] else ""))
 @pytest.mark.parametrize("heads", [(64, 1), (32, 1), (17, 1), (96, 2)],
                          ids=lambda h: "{}-{}".format(*h))

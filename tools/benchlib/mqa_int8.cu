@@ -208,7 +208,6 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   // A team holds the copy of its tile j (P V) while it waits for that of j + TEAMS (softmax):
   // with fewer copies those are one and the same, and it waits for itself.
   static_assert(COPIES >= 2 * TEAMS, "two copies per team");
-  static_assert(!PAIRS || STAGES >= 3, "pairs refill two tiles back: a tile ahead needs 3");
   using L = MqaLayout<STAGES, COPIES, TEAMS>;
   using W = WgLayout<128>;
   extern __shared__ __align__(128) char smem_raw[];
@@ -252,15 +251,12 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       for (int t = 0; t < min(STAGES, tiles); ++t) issue(t);
     // Pairs: an odd last tile is followed by a copy of zeros (the pair's second half).
     const int copies = PAIRS ? (tiles + 1) & ~1 : tiles;
-    // The stage of tile j - LAG (its V widened already) refills once its S has read K. One
-    // tile back, a pair's first S (which comes with its second) would hold up the widening
-    // its own team waits for: the widener then sat on every step's chain (2x slower).
-    constexpr int kLag = PAIRS ? 2 : 1;
 #pragma unroll 1
     for (int j = 0; j < copies; ++j) {
-      if (threadIdx.x == 0 && j >= kLag && j - kLag + STAGES < tiles) {
-        mbar_wait(empty + 8 * ((j - kLag) % STAGES), ((j - kLag) / STAGES) & 1);
-        issue(j - kLag + STAGES);
+      // The stage of tile j - 1 (its V widened last step) refills once its S has read K.
+      if (threadIdx.x == 0 && j >= 1 && j - 1 + STAGES < tiles) {
+        mbar_wait(empty + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
+        issue(j - 1 + STAGES);
       }
       const int s = j % STAGES;
       if (j < tiles) mbar_wait(full + 8 * s, (j / STAGES) & 1);

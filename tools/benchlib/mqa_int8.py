@@ -57,11 +57,9 @@ class MqaVariant:
     pairs: bool = False  # a team takes two tiles per step (mqa_int8_pairs.cuh)
 
     def __post_init__(self) -> None:
-        if (self.teams not in (1, 2) or self.stages < (3 if self.pairs else 2)
-                or self.copies < 2 * self.teams):
-            raise ValueError(f"mqa_int8: 1 or 2 teams, >= 2 stages (3 with pairs) and >= 2 "
-                             f"copies per team (a team holds one copy while it waits for the "
-                             f"next), got {self}")
+        if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams:
+            raise ValueError(f"mqa_int8: 1 or 2 teams, >= 2 stages and >= 2 copies per team "
+                             f"(a team holds one copy while it waits for the next), got {self}")
 
     @property
     def threads(self) -> int:
