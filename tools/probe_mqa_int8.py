@@ -7,8 +7,8 @@ reference measured in the same run (PERF_NOTES v39).
     PYTHONPATH=.:tools python3 tools/probe_mqa_int8.py --shapes '128,64,1,4096;128,32,1,4096'
 
 Shapes are B,Hq,Hkv,S (contiguous bnsh, fp32 token scales, head_dim 128); --configs lists the
-kernel's STAGESxCOPIESxTEAMS[xCONTROL][p] variants (CONTROL: timing-only builds whose
-outputs are wrong, their check reported, not counted; a trailing p: pairs of tiles per step).
+kernel's STAGESxCOPIESxTEAMS[xCONTROL] variants (CONTROL: timing-only builds whose
+outputs are wrong; their check is reported, not counted).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="128,64,1,4096;128,32,1,4096;32,64,1,4096")
     parser.add_argument("--configs", default="6x3x1,4x4x2,6x4x2,7x4x2",
-                        help="STAGESxCOPIESxTEAMS[xCONTROL][p], comma-separated")
+                        help="STAGESxCOPIESxTEAMS[xCONTROL], comma-separated")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream
@@ -57,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             row(f"shipped {described['backend']}", bench.graph_us(warmup=10, iters=args.iters),
                 "-", check["max_rel_err"])
             for config in args.configs.split(","):
-                pairs = config.endswith("p")
-                fields = [int(x) for x in config.rstrip("p").split("x")]
-                probe = MqaBench(bench, MqaVariant(*fields, pairs=pairs))
+                probe = MqaBench(bench, MqaVariant(*(int(x) for x in config.split("x"))))
                 check = probe.check()
                 failed += not check["ok"] and not probe.variant.control
                 samples = time_graph(probe.step, stream, warmup=10, iters=args.iters)

@@ -15,10 +15,9 @@
 // own online softmax over the same 64 rows (softmax and products as multi_wg.cu's), merged in
 // shared memory at the end. Hand-overs by mbarriers, each completed by the tile's team alone:
 // full (tile landed), empty (its S has read K), cfull (copy written), cempty (its P V has read
-// it). PAIRS: a team takes two tiles per step (mqa_int8_pairs.cuh).
+// it).
 // Contiguous bnsh cache, per-token fp32 scales, one split, head_dim 128, a capacity that is a
 // multiple of 64 (a tile's scales are one 256-byte copy).
-#include "mqa_int8_pairs.cuh"
 #include "multi_wg_rows.cuh"  // softmax_tile, issue_values, rescale_rows
 #include "tma.cuh"
 
@@ -178,18 +177,6 @@ __device__ __forceinline__ void widen_v(const char* stage, char* copy, int t0, i
   }
 }
 
-// A copy of zeros (V, scales, the largest V scale): the tile after an odd last one, which a
-// pair's second half reads (PAIRS).
-__device__ __forceinline__ void zero_copy(char* copy) {
-  using W = WgLayout<128>;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-  for (int i = 0; i < W::kCopyV / 16 / 128; ++i)
-    reinterpret_cast<uint4*>(copy + W::kCopyV)[threadIdx.x + 128 * i] = zero;
-  float* const scales = reinterpret_cast<float*>(copy + W::kCopyKScale);
-  for (int i = threadIdx.x; i < (W::kCopyVMax + 8 - W::kCopyKScale) / 4; i += 128) scales[i] = 0.f;
-}
-
 // setmaxnreg (two teams: 384 threads start at 168 registers; 72 + 2 x 216 fits the pool).
 template <int N>
 __device__ __forceinline__ void mqa_max_registers() {
@@ -200,8 +187,8 @@ __device__ __forceinline__ void mqa_max_registers() {
 }
 
 // CONTROL (timing controls, outputs wrong; 0 ships in every test): bit 0 skips V's widening
-// (the scales are still copied), bit 1 the softmax (P stays as it was; one tile per step).
-template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, bool PAIRS = false>
+// (the scales are still copied), bit 1 the softmax (P stays as it was).
+template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0>
 __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
   static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
@@ -249,23 +236,17 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     };
     if (threadIdx.x == 0)
       for (int t = 0; t < min(STAGES, tiles); ++t) issue(t);
-    // Pairs: an odd last tile is followed by a copy of zeros (the pair's second half).
-    const int copies = PAIRS ? (tiles + 1) & ~1 : tiles;
 #pragma unroll 1
-    for (int j = 0; j < copies; ++j) {
+    for (int j = 0; j < tiles; ++j) {
       // The stage of tile j - 1 (its V widened last step) refills once its S has read K.
       if (threadIdx.x == 0 && j >= 1 && j - 1 + STAGES < tiles) {
         mbar_wait(empty + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
         issue(j - 1 + STAGES);
       }
       const int s = j % STAGES;
-      if (j < tiles) mbar_wait(full + 8 * s, (j / STAGES) & 1);
+      mbar_wait(full + 8 * s, (j / STAGES) & 1);
       if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
-      if (j < tiles)
-        widen_v<STAGES, COPIES, !(CONTROL & 1)>(smem + s * L::kStageBytes, copy_of(j), 64 * j,
-                                               len);
-      else
-        zero_copy(copy_of(j));
+      widen_v<STAGES, COPIES, !(CONTROL & 1)>(smem + s * L::kStageBytes, copy_of(j), 64 * j, len);
       fence_proxy_async();
       mbar_arrive(cfull + 8 * (j % COPIES));
       asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
@@ -305,83 +286,46 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     softmax_tile<128, true>(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j), col0 + 64 > len,
                             col0, visible, c);
   };
-  if constexpr (PAIRS) {
-    int sp[2][32];
-    float sf[2][32];
-    uint32_t ap[2][4][4];
+  if (cw < tiles) {
+    mbar_wait(full + 8 * (cw % STAGES), (cw / STAGES) & 1);
+    wgmma_fence();
+    issue_scores_s8(si, qa, stage_k(cw));
+    wgmma_wait<0>();
+    fence_ints(si);
+    mbar_arrive(empty + 8 * (cw % STAGES));
+    mbar_wait(cfull + 8 * (cw % COPIES), (cw / COPIES) & 1);
+    ks.load(copy_of(cw), c);
+    softmax(cw, a);
+  }
+  // The team's tile j: S(j + TEAMS) with P(j) V(j) on the tensor cores, then the softmax of
+  // S(j + TEAMS). Past the last tile S reads a stale stage (no copy is in flight into it then)
+  // and is dropped: the issues and waits stay outside any branch (multi_wg.cu: ptxas
+  // serializes a group across one).
+  auto tile_step = [&](int j, uint32_t (&cur)[4][4], uint32_t (&nxt)[4][4])
+      __attribute__((always_inline)) {
+    const int next = j + TEAMS;
+    const bool more = next < tiles;
+    if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
+    rescale_rows(o, corr);
+    wgmma_fence();
+    issue_scores_s8(si, qa, stage_k(next));
+    issue_values<128>(o, cur, base + (copy_of(j) - smem));
+    wgmma_wait<1>();
+    fence_ints(si);
+    if (more) {
+      mbar_arrive(empty + 8 * (next % STAGES));
+      mbar_wait(cfull + 8 * (next % COPIES), (next / COPIES) & 1);
+      ks.load(copy_of(next), c);
+      softmax(next, nxt);
+    }
+    wgmma_wait<0>();
+    fence_operands(o);
+    mbar_arrive(cempty + 8 * (j % COPIES));
+  };
 #pragma unroll 1
-    for (int pr = cw; 2 * pr < tiles; pr += TEAMS) {
-      const int t0 = 2 * pr, t1 = t0 + 1;
-      const bool has1 = t1 < tiles;
-      mbar_wait(full + 8 * (t0 % STAGES), (t0 / STAGES) & 1);
-      if (has1) mbar_wait(full + 8 * (t1 % STAGES), (t1 / STAGES) & 1);
-      wgmma_fence();
-      issue_scores_s8(sp[0], qa, stage_k(t0));
-      issue_scores_s8(sp[1], qa, stage_k(t1));  // past the end: a stale stage, masked
-      wgmma_wait<0>();
-      fence_ints(sp[0]);
-      fence_ints(sp[1]);
-      mbar_arrive(empty + 8 * (t0 % STAGES));
-      if (has1) mbar_arrive(empty + 8 * (t1 % STAGES));
-      mbar_wait(cfull + 8 * (t0 % COPIES), (t0 / COPIES) & 1);
-      mbar_wait(cfull + 8 * (t1 % COPIES), (t1 / COPIES) & 1);
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) sf[u][i] = static_cast<float>(sp[u][i]);
-      const char* const pair_copies[2] = {copy_of(t0), copy_of(t1)};
-      softmax_pair(sf, ap, m, l, vr, corr, row_const, pair_copies, 64 * t0, len, c);
-      rescale_rows(o, corr);
-      wgmma_fence();
-      issue_values<128>(o, ap[0], base + (copy_of(t0) - smem));
-      issue_values<128>(o, ap[1], base + (copy_of(t1) - smem));
-      wgmma_wait<0>();
-      fence_operands(o);
-      mbar_arrive(cempty + 8 * (t0 % COPIES));
-      mbar_arrive(cempty + 8 * (t1 % COPIES));
-    }
-  } else {
-    if (cw < tiles) {
-      mbar_wait(full + 8 * (cw % STAGES), (cw / STAGES) & 1);
-      wgmma_fence();
-      issue_scores_s8(si, qa, stage_k(cw));
-      wgmma_wait<0>();
-      fence_ints(si);
-      mbar_arrive(empty + 8 * (cw % STAGES));
-      mbar_wait(cfull + 8 * (cw % COPIES), (cw / COPIES) & 1);
-      ks.load(copy_of(cw), c);
-      softmax(cw, a);
-    }
-    // The team's tile j: S(j + TEAMS) with P(j) V(j) on the tensor cores, then the softmax of
-    // S(j + TEAMS). Past the last tile S reads a stale stage (no copy is in flight into it then)
-    // and is dropped: the issues and waits stay outside any branch (multi_wg.cu: ptxas
-    // serializes a group across one).
-    auto tile_step = [&](int j, uint32_t (&cur)[4][4], uint32_t (&nxt)[4][4])
-        __attribute__((always_inline)) {
-      const int next = j + TEAMS;
-      const bool more = next < tiles;
-      if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
-      rescale_rows(o, corr);
-      wgmma_fence();
-      issue_scores_s8(si, qa, stage_k(next));
-      issue_values<128>(o, cur, base + (copy_of(j) - smem));
-      wgmma_wait<1>();
-      fence_ints(si);
-      if (more) {
-        mbar_arrive(empty + 8 * (next % STAGES));
-        mbar_wait(cfull + 8 * (next % COPIES), (next / COPIES) & 1);
-        ks.load(copy_of(next), c);
-        softmax(next, nxt);
-      }
-      wgmma_wait<0>();
-      fence_operands(o);
-      mbar_arrive(cempty + 8 * (j % COPIES));
-    };
-#pragma unroll 1
-    for (int j = cw; j < tiles; j += 2 * TEAMS) {
-      tile_step(j, a, a_next);
-      if (j + TEAMS < tiles) tile_step(j + TEAMS, a_next, a);
-    }
+  for (int j = cw; j < tiles; j += 2 * TEAMS) {
+    tile_step(j, a, a_next);
+    if (j + TEAMS < tiles) tile_step(j + TEAMS, a_next, a);
   }
   allow_next_grid();
 

@@ -54,7 +54,6 @@ class MqaVariant:
     copies: int = 3
     teams: int = 1
     control: int = 0  # timing controls (mqa_int8.cu CONTROL): outputs wrong unless 0
-    pairs: bool = False  # a team takes two tiles per step (mqa_int8_pairs.cuh)
 
     def __post_init__(self) -> None:
         if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams:
@@ -67,8 +66,7 @@ class MqaVariant:
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}, "
-                f"{'true' if self.pairs else 'false'}>",)
+        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}>",)
 
     @property
     def shared_bytes(self) -> int:
