@@ -36,9 +36,7 @@ def run_probe(layout: str, scale: tuple[str, str], config: tuple, bad_row: int |
     bench = WorkloadBench(work, 1, device, stream, seed=7)
     try:
         layers = bench.layers
-        layers.host_lengths = np.array(LENGTHS, dtype=np.int64)
-        layers.seq_lens.close()
-        layers.seq_lens = DeviceArray.from_numpy(layers.host_lengths.astype(np.int32), device)
+        layers.set_lengths(LENGTHS)
         if bad_row is not None:  # its first page: an id past the pool
             table = layers.table.copy()
             table[bad_row, 0] = work.num_pages + 3

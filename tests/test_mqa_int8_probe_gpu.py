@@ -21,15 +21,13 @@ def test_mqa_int8_probe_matches_the_rounded_q_oracle(heads, config):
     from benchlib.timing import WorkloadBench
     from benchlib.workloads import Workload
 
-    from lowlevel_fd.driver import Device, DeviceArray, Stream
+    from lowlevel_fd.driver import Device, Stream
     device, stream = Device(0), Stream()
     work = Workload(len(LENGTHS), max(LENGTHS), num_q_heads=heads[0], num_kv_heads=heads[1])
     bench = WorkloadBench(work, 1, device, stream, seed=11)
     try:
         layers = bench.layers
-        layers.host_lengths = np.array(LENGTHS, dtype=np.int64)
-        layers.seq_lens.close()
-        layers.seq_lens = DeviceArray.from_numpy(layers.host_lengths.astype(np.int32), device)
+        layers.set_lengths(LENGTHS)
         probe = MqaBench(bench, MqaVariant(*config))
         result = probe.check()
         out = layers.layers[0]["out"].numpy()

@@ -39,15 +39,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-// setmaxnreg: below the 168 registers a thread of a 384-thread CTA starts with, give back;
-// above, take (72 + 2 x 216 = 3 x 168: the pool holds both).
-template <int N>
-__device__ __forceinline__ void set_max_registers() {
-  if constexpr (N < 168)
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
-  else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
-}
 
 template <int HEAD_DIM, int SCALE_MODE, typename QT, typename ScaleT, bool PAGED>
 __global__ void __launch_bounds__(WgLayout<HEAD_DIM>::kThreads, 1)

@@ -39,6 +39,16 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+// setmaxnreg: below the 168 registers a thread of a 384-thread CTA starts with, give back;
+// above, take (72 + 2 x 216 = 3 x 168: the pool holds both; multi_wg.cu's warpgroups).
+template <int N>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (N < 168)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMA.
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {

@@ -95,6 +95,14 @@ class LayerSet:
         stream.synchronize()
         self._reference: tuple[list[int], np.ndarray] | None = None
 
+    def set_lengths(self, lengths) -> None:
+        """Replace every layer's lengths (host and device copy) before the first check: edge
+        cases such as empty rows and tile boundaries in the probes' oracle tests."""
+        self.host_lengths = np.asarray(lengths, dtype=np.int64)
+        self.seq_lens.close()
+        self.seq_lens = DeviceArray.from_numpy(self.host_lengths.astype(np.int32), self.device)
+        self._reference = None
+
     def args(self, layer: int) -> tuple:
         """The positional arguments of ``DecodePlan.run`` for one layer."""
         a = self.layers[layer]

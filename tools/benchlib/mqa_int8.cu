@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   };
 
   if (wg == 0) {
-    if constexpr (TEAMS == 2) mqa_max_registers<72>();
+    if constexpr (TEAMS == 2) set_max_registers<72>();
     const int row = b * p.num_kv_heads + kvh;
     auto issue = [&](int t) __attribute__((always_inline)) {  // thread 0
       const int s = t % STAGES;
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   }
 
   // ---- the computing warpgroups (team cw): rows r_lo and r_lo + 8 of this lane ----
-  if constexpr (TEAMS == 2) mqa_max_registers<216>();
+  if constexpr (TEAMS == 2) set_max_registers<216>();
   const int cw = wg - 1;
   const int r_lo = 16 * (warp % 4) + g;
   uint32_t qa[4][4];

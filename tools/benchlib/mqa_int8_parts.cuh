@@ -135,15 +135,15 @@ __device__ __forceinline__ void widen_v(const char* stage, char* copy, int t0, i
 #pragma unroll
   for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
     const int idx = static_cast<int>(threadIdx.x) + 128 * i, t = idx % 64, ch = idx / 64;
+    char* dst = copy + W::kCopyV;
     const uint32_t words[4] = {in[i].x, in[i].y, in[i].z, in[i].w};
-    uint32_t h[8];
+    uint32_t h[8];  // as multi_wg_tiles.cuh's widen_tile converts a chunk
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t u = words[k] ^ 0x80808080u;
       h[2 * k] = int8_pair<0x4140u>(u);
       h[2 * k + 1] = int8_pair<0x4342u>(u);
     }
-    char* dst = copy + W::kCopyV;
     *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
@@ -157,15 +157,6 @@ __device__ __forceinline__ void widen_v(const char* stage, char* copy, int t0, i
     const float top = warp_max_xor(scale, 16);
     if (threadIdx.x % 32 == 0) reinterpret_cast<float*>(copy + W::kCopyVMax)[threadIdx.x / 32 - 2] = top;
   }
-}
-
-// setmaxnreg (two teams: 384 threads start at 168 registers; 72 + 2 x 216 fits the pool).
-template <int N>
-__device__ __forceinline__ void mqa_max_registers() {
-  if constexpr (N < 168)
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
-  else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
 
 }  // namespace llfd
