@@ -26,7 +26,7 @@ from benchlib.workloads import Workload, layer_count
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="128,64,1,4096;128,32,1,4096;32,64,1,4096")
-    parser.add_argument("--configs", default="6x3x1,4x4x2,6x4x2,7x4x2",
+    parser.add_argument("--configs", default="6x3x1,4x4x2",
                         help="STAGESxCOPIESxTEAMS[xCONTROL], comma-separated")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)

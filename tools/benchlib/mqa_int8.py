@@ -149,7 +149,7 @@ class MqaBench:
         stream.synchronize()
         exact = layers.check_output()
         rows, ref = layers.reference()
-        w, a = layers.workload, layers.layers[0]
+        a = layers.layers[0]
         stack = lambda array: np.stack([array[b].numpy() for b in rows])  # noqa: E731
         q8 = quantize_rows(layers.host_q0[rows])
         ref8, _ = decode_attention_ref(q8, stack(a["k"]), stack(a["v"]), stack(a["k_scale"]),
