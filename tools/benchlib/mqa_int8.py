@@ -117,7 +117,6 @@ class MqaBench:
         config = LaunchConfig((w.num_kv_heads, 1, w.batch), variant.threads, variant.shared_bytes,
                               programmatic=True)
         self.launches = []
-        self._keep = []
         for layer in bench.layers.layers:
             params = MqaParams(
                 q=layer["q"].ptr, k_scale=layer["k_scale"].ptr, v_scale=layer["v_scale"].ptr,
@@ -133,7 +132,6 @@ class MqaBench:
                     "CU_TENSOR_MAP_DATA_TYPE_UINT8", pool.ptr,
                     [128, w.seq_len, w.batch * w.num_kv_heads], [128, w.seq_len * 128],
                     [128, TILE, 1], True))
-            self._keep.append((params, maps))
             self.launches.append(kernel.prepare(config, params, maps))
 
     def step(self) -> None:
