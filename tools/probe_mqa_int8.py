@@ -7,7 +7,7 @@ reference measured in the same run (PERF_NOTES v39).
     PYTHONPATH=.:tools python3 tools/probe_mqa_int8.py --shapes '128,64,1,4096;128,32,1,4096'
 
 Shapes are B,Hq,Hkv,S (contiguous bnsh, fp32 token scales, head_dim 128); --configs lists the
-kernel's STAGESxCOPIESxTEAMS[xCONTROL] variants (CONTROL: timing-only builds whose
+kernel's STAGESxCOPIESxTEAMS[xCONTROL[xSOFTMAX]] variants (CONTROL: timing-only builds whose
 outputs are wrong; their check is reported, not counted).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="128,64,1,4096;128,32,1,4096;32,64,1,4096")
     parser.add_argument("--configs", default="6x3x1,4x4x2",
-                        help="STAGESxCOPIESxTEAMS[xCONTROL], comma-separated")
+                        help="STAGESxCOPIESxTEAMS[xCONTROL[xSOFTMAX]], comma-separated")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     from lowlevel_fd.driver import Device, Stream

@@ -18,19 +18,27 @@
 // it).
 // Contiguous bnsh cache, per-token fp32 scales, one split, head_dim 128, a capacity that is a
 // multiple of 64 (a tile's scales are one 256-byte copy).
-#include "mqa_int8_parts.cuh"
+#include "mqa_int8_softmax.cuh"
 
 namespace llfd {
 
 // CONTROL (timing controls, outputs wrong; 0 ships in every test): bit 0 skips V's widening
-// (the scales are still copied), bit 1 the softmax (P stays as it was).
-template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0>
-__global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
+// (the scales are still copied), bit 1 the softmax (P stays as it was). SOFTMAX: 0 multi_wg's
+// softmax_tile, 1 mqa_int8_softmax.cuh's softmax_h16 (its V scales written by the widener).
+// WIDENERS: 1, or 2 widening warpgroups taking alternate tiles (PERF_NOTES v40), each copying
+// its own tiles (thread 0) and releasing its stages by their empty mbarriers.
+template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0, int WIDENERS = 1>
+__global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
   static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
   // A team holds the copy of its tile j (P V) while it waits for that of j + TEAMS (softmax):
   // with fewer copies those are one and the same, and it waits for itself.
   static_assert(COPIES >= 2 * TEAMS, "two copies per team");
+  static_assert(SOFTMAX == 0 || SOFTMAX == 1, "softmax_tile or softmax_h16");
+  // Two wideners: a stage and a copy return to the warpgroup that used them last.
+  static_assert(WIDENERS == 1 || (WIDENERS == 2 && TEAMS == 2 && STAGES % 2 == 0 &&
+                                  COPIES % 2 == 0), "one widener, or two with two teams and "
+                                                    "even rings");
   using L = MqaLayout<STAGES, COPIES, TEAMS>;
   using W = WgLayout<128>;
   extern __shared__ __align__(128) char smem_raw[];
@@ -48,7 +56,8 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   const uint32_t full = shared_address(full_bar), empty = shared_address(empty_bar);
   const uint32_t cfull = shared_address(cfull_bar), cempty = shared_address(cempty_bar);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, 128);
+    for (int s = 0; s < STAGES; ++s)
+      mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, WIDENERS == 2 ? 256 : 128);
     for (int s = 0; s < COPIES; ++s) mbar_init(cfull + 8 * s, 128), mbar_init(cempty + 8 * s, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -57,9 +66,10 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     return smem + L::kCopy0 + (j % COPIES) * L::kCopySpan - W::kCopyV;
   };
 
-  if (wg == 0) {
-    if constexpr (TEAMS == 2) set_max_registers<72>();
-    const int row = b * p.num_kv_heads + kvh;
+  if (wg < WIDENERS) {
+    if constexpr (WIDENERS == 2) set_max_registers<64>();
+    else if constexpr (TEAMS == 2) set_max_registers<72>();
+    const int row = b * p.num_kv_heads + kvh, tid = threadIdx.x % 128;
     auto issue = [&](int t) __attribute__((always_inline)) {  // thread 0
       const int s = t % STAGES;
       const uint32_t stage = base + s * L::kStageBytes, bar = full + 8 * s;
@@ -70,30 +80,38 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       bulk_copy(stage + L::kKScale, p.k_scale + at, 256, bar);
       bulk_copy(stage + L::kVScale, p.v_scale + at, 256, bar);
     };
-    if (threadIdx.x == 0)
-      for (int t = 0; t < min(STAGES, tiles); ++t) issue(t);
+    if (tid == 0)
+      for (int t = wg; t < min(STAGES, tiles); t += WIDENERS) issue(t);
 #pragma unroll 1
-    for (int j = 0; j < tiles; ++j) {
-      // The stage of tile j - 1 (its V widened last step) refills once its S has read K.
-      if (threadIdx.x == 0 && j >= 1 && j - 1 + STAGES < tiles) {
-        mbar_wait(empty + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
-        issue(j - 1 + STAGES);
+    for (int j = wg; j < tiles; j += WIDENERS) {
+      // The stage of this warpgroup's previous tile refills once its S has read K and this
+      // warpgroup has read V and the scales.
+      const int before = j - WIDENERS;
+      if (tid == 0 && before >= 0 && before + STAGES < tiles) {
+        mbar_wait(empty + 8 * (before % STAGES), (before / STAGES) & 1);
+        issue(before + STAGES);
       }
       const int s = j % STAGES;
       mbar_wait(full + 8 * s, (j / STAGES) & 1);
       if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
-      widen_v<STAGES, COPIES, !(CONTROL & 1)>(smem + s * L::kStageBytes, copy_of(j), 64 * j, len);
+      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1> widened;
+      widened.load(smem + s * L::kStageBytes, 64 * j, len, tid);
+      widened.store(copy_of(j), tid);
       fence_proxy_async();
       mbar_arrive(cfull + 8 * (j % COPIES));
-      asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
+      if constexpr (WIDENERS == 2)
+        mbar_arrive(empty + 8 * s);  // this warpgroup's reads of stage s are done
+      else
+        asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
     }
     allow_next_grid();
     return;
   }
 
   // ---- the computing warpgroups (team cw): rows r_lo and r_lo + 8 of this lane ----
-  if constexpr (TEAMS == 2) set_max_registers<216>();
-  const int cw = wg - 1;
+  if constexpr (WIDENERS == 2) set_max_registers<192>();
+  else if constexpr (TEAMS == 2) set_max_registers<216>();
+  const int cw = wg - WIDENERS;
   const int r_lo = 16 * (warp % 4) + g;
   uint32_t qa[4][4];
   float row_const[2];
@@ -104,6 +122,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
   VRef vr;
+  VRefH vrh;
   int si[32];
   float s[32];
   uint32_t a[4][4], a_next[4][4];
@@ -119,8 +138,12 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       p_out[0][0] ^= static_cast<uint32_t>(si[0]) & 1u;  // keeps S live; P barely changes
       return;
     }
-    softmax_tile<128, true>(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j), col0 + 64 > len,
-                            col0, visible, c);
+    if constexpr (SOFTMAX == 1)
+      softmax_h16(s, p_out, m, l, vrh, corr, row_const, ks, copy_of(j), col0 + 64 > len, col0,
+                  visible, c);
+    else
+      softmax_tile<128, true>(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j),
+                              col0 + 64 > len, col0, visible, c);
   };
   if (cw < tiles) {
     mbar_wait(full + 8 * (cw % STAGES), (cw / STAGES) & 1);
@@ -171,12 +194,16 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   if constexpr (TEAMS == 2) {
     // Team 1 leaves its accumulators and its rows' (offset, sum) in shared memory; team 0
     // folds them in with the usual weights: each state is O and l relative to 2^(m + shift).
+    // The area is the stages': free once both loops are done (every tile's copies landed and
+    // were read, every widening waited for).
     float* const merge = reinterpret_cast<float*>(smem + L::kMerge);
     const int t = threadIdx.x % 128;
     float offset[2];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) offset[hr] = m[hr] == kNegInf ? kNegInf : m[hr] + vr.shift;
+    for (int hr = 0; hr < 2; ++hr)
+      offset[hr] = m[hr] == kNegInf ? kNegInf : m[hr] + (SOFTMAX ? vrh.shift : vr.shift);
     if (cw == 1) {
+      asm volatile("bar.sync 3, 256;" ::: "memory");  // team 0's loop is done
 #pragma unroll
       for (int i = 0; i < 64; ++i) merge[i * 128 + t] = o[i];
 #pragma unroll
@@ -184,10 +211,11 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
         merge[(64 + hr) * 128 + t] = offset[hr];
         merge[(66 + hr) * 128 + t] = sums[hr];
       }
-      asm volatile("bar.arrive 3, 256;" ::: "memory");
+      asm volatile("bar.arrive 5, 256;" ::: "memory");
       return;
     }
-    asm volatile("bar.sync 3, 256;" ::: "memory");
+    asm volatile("bar.arrive 3, 256;" ::: "memory");
+    asm volatile("bar.sync 5, 256;" ::: "memory");
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float other = merge[(64 + hr) * 128 + t];

@@ -54,25 +54,31 @@ class MqaVariant:
     copies: int = 3
     teams: int = 1
     control: int = 0  # timing controls (mqa_int8.cu CONTROL): outputs wrong unless 0
+    softmax: int = 0  # 0: multi_wg's softmax_tile; 1: softmax_h16 (mqa_int8_softmax.cuh)
+    wideners: int = 1  # warpgroups widening V (2: alternate tiles; two teams, even rings)
 
     def __post_init__(self) -> None:
-        if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams:
+        if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams or (
+                self.softmax not in (0, 1)) or self.wideners not in (1, 2) or (
+                self.wideners == 2 and (self.teams != 2 or self.stages % 2 or self.copies % 2)):
             raise ValueError(f"mqa_int8: 1 or 2 teams, >= 2 stages and >= 2 copies per team "
-                             f"(a team holds one copy while it waits for the next), got {self}")
+                             f"(a team holds one copy while it waits for the next), softmax 0 "
+                             f"or 1, 1 widener or 2 (with 2 teams and even rings), got {self}")
 
     @property
     def threads(self) -> int:
-        return 128 * (1 + self.teams)
+        return 128 * (self.wideners + self.teams)
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}>",)
+        return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}, "
+                f"{self.softmax}, {self.wideners}>",)
 
     @property
     def shared_bytes(self) -> int:
-        """Stages and copies, the second team's merge area, and 1 KiB to align them."""
-        merge = 68 * 128 * 4 if self.teams == 2 else 0
-        return (self.stages + self.copies) * SPAN + merge + 1024
+        """Stages and copies (the second team's merge area lies over the stages), and 1 KiB
+        to align them."""
+        return (self.stages + self.copies) * SPAN + 1024
 
     def compile(self, arch: str) -> CompiledProgram:
         """For sm_90a whatever Hopper ``arch`` says: wgmma is arch-specific."""

@@ -29,9 +29,10 @@ struct MqaLayout {
   static constexpr int kCopySpan = W::kCopyBytes - W::kCopyV;
   static constexpr int kCopy0 = STAGES * kStageBytes;
   // Two teams: the second's accumulators ([64][128 threads]), then its rows' offsets and sums
-  // ([2][128] each).
-  static constexpr int kMerge = kCopy0 + COPIES * kCopySpan;
-  static constexpr int kBytes = kMerge + (TEAMS == 2 ? 68 * 128 * 4 : 0);
+  // ([2][128] each), over the first two stages once both teams' loops are done.
+  static constexpr int kMerge = 0;
+  static constexpr int kBytes = kCopy0 + COPIES * kCopySpan;
+  static_assert(TEAMS == 1 || 68 * 128 * 4 <= STAGES * kStageBytes, "the merge fits the stages");
   static_assert(kCopySpan % 1024 == 0 && kCopy0 >= W::kCopyV, "aligned copies in the window");
 };
 
@@ -118,45 +119,102 @@ __device__ __forceinline__ void load_query_s8(uint32_t (&qa)[4][4], float (&row_
   }
 }
 
+// Where the widener leaves a tile's fp16 V scales (relative to the copy's base, like WgLayout's
+// offsets): at kCopyVMax the two half tiles' largest, their log2 and their reciprocals (6
+// floats), then lane c's 16 scales of columns 8 j + 2 c + e at [c][2 j + e], each relative to
+// its half tile's largest (j < 4: tokens 0 .. 31), rows of 48 bytes (16 scales, 8 bytes
+// against conflicts).
+struct HalfScales {
+  using W = WgLayout<128>;
+  static constexpr int kVTop = W::kCopyVMax;
+  static constexpr int kRow = 48;
+  static constexpr int kAt = W::kCopyVMax + 32;
+  static constexpr int kEnd = kAt + 4 * kRow;
+  __device__ static __forceinline__ int at(int t) {  // bytes
+    return ((t >> 1) & 3) * kRow + 4 * (t >> 3) + 2 * (t & 1);
+  }
+};
+static_assert(HalfScales::kEnd - WgLayout<128>::kCopyV <= MqaLayout<2, 2>::kCopySpan,
+              "the fp16 V scales fit a copy");
+
 // A landed tile's V (int8, TMA's swizzle = MultiTile's) -> fp16 in the copy, and its K and V
-// scales into the copy's rows (widen_tile's scale half). V scales of tokens at or past `len`
-// are zeroed: their P is 0, but the pool may hold anything there.
-template <int STAGES, int COPIES, bool CONVERT = true>
-__device__ __forceinline__ void widen_v(const char* stage, char* copy, int t0, int len) {
+// scales into the copy's rows (widen_tile's scale half), in two steps: load() reads the stage
+// and converts in registers (the stage is then free), store() writes the copy (once its last
+// reader is done). V scales of tokens at or past `len` are zeroed: their P is 0, but the pool
+// may hold anything there. tid: the thread within the widening warpgroup. HALF_SCALES adds
+// softmax_h16's: each V scale relative to its half tile's largest magnitude (found by one
+// redux on the magnitudes' bits, which order as unsigned integers), that largest's log2 and
+// reciprocal; otherwise the half tiles' largest values, for softmax_tile.
+template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false>
+struct VWidening {
   using L = MqaLayout<STAGES, COPIES>;  // the stage layout does not depend on TEAMS
   using W = WgLayout<128>;
   using T = MultiTile<128, 64, 128>;
-  uint4 in[4];
+  uint32_t h[CONVERT ? 4 : 1][8];  // chunk i: tokens (tid + 128 i) % 64, 16 dims
+  float scale, top, inv;
+  uint32_t scale_half;
+
+  __device__ __forceinline__ void load(const char* stage, int t0, int len, int tid) {
+    uint4 in[CONVERT ? 4 : 1];
 #pragma unroll
-  for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
-    const int idx = static_cast<int>(threadIdx.x) + 128 * i;
-    in[i] = *reinterpret_cast<const uint4*>(stage + L::kV + T::offset(idx % 64, idx / 64));
-  }
-#pragma unroll
-  for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
-    const int idx = static_cast<int>(threadIdx.x) + 128 * i, t = idx % 64, ch = idx / 64;
-    char* dst = copy + W::kCopyV;
-    const uint32_t words[4] = {in[i].x, in[i].y, in[i].z, in[i].w};
-    uint32_t h[8];  // as multi_wg_tiles.cuh's widen_tile converts a chunk
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t u = words[k] ^ 0x80808080u;
-      h[2 * k] = int8_pair<0x4140u>(u);
-      h[2 * k + 1] = int8_pair<0x4342u>(u);
+    for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
+      const int idx = tid + 128 * i;
+      in[i] = *reinterpret_cast<const uint4*>(stage + L::kV + T::offset(idx % 64, idx / 64));
     }
-    *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch)) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+    const int token = tid % 64;
+    const bool v = tid >= 64;  // warp-uniform: warps 0-1 K scales, 2-3 V scales
+    const float raw = reinterpret_cast<const float*>(stage + L::kKScale)[tid];
+    scale = v && t0 + token >= len ? 0.f : raw;
+#pragma unroll
+    for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
+      const uint32_t words[4] = {in[i].x, in[i].y, in[i].z, in[i].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // as multi_wg_tiles.cuh's widen_tile converts a chunk
+        const uint32_t u = words[k] ^ 0x80808080u;
+        h[i][2 * k] = int8_pair<0x4140u>(u);
+        h[i][2 * k + 1] = int8_pair<0x4342u>(u);
+      }
+    }
+    if (v) {
+      if constexpr (HALF_SCALES) {
+        top = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(scale) & 0x7fffffffu));
+        inv = 0.f;
+        if (top > 0.f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(top));
+        scale_half = pack2<f16>(scale * inv, 0.f);
+      } else {
+        top = warp_max_xor(scale, 16);
+      }
+    }
   }
-  const int token = threadIdx.x % 64;
-  const bool v = threadIdx.x >= 64;  // warp-uniform: warps 0-1 K scales, 2-3 V scales
-  const float raw = reinterpret_cast<const float*>(stage + L::kKScale)[threadIdx.x];
-  const float scale = v && t0 + token >= len ? 0.f : raw;
-  reinterpret_cast<float*>(copy + (v ? W::kCopyVScale : W::kCopyKScale))[W::scale_at(token)] =
-      scale;
-  if (v) {
-    const float top = warp_max_xor(scale, 16);
-    if (threadIdx.x % 32 == 0) reinterpret_cast<float*>(copy + W::kCopyVMax)[threadIdx.x / 32 - 2] = top;
+
+  __device__ __forceinline__ void store(char* copy, int tid) const {
+#pragma unroll
+    for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
+      const int idx = tid + 128 * i, t = idx % 64, ch = idx / 64;
+      char* dst = copy + W::kCopyV;
+      *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch)) =
+          make_uint4(h[i][0], h[i][1], h[i][2], h[i][3]);
+      *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch + 1)) =
+          make_uint4(h[i][4], h[i][5], h[i][6], h[i][7]);
+    }
+    const int token = tid % 64;
+    const bool v = tid >= 64;
+    reinterpret_cast<float*>(copy + (v ? W::kCopyVScale : W::kCopyKScale))[W::scale_at(token)] =
+        scale;
+    if (v) {
+      const int half = tid / 32 - 2;
+      float* const tops = reinterpret_cast<float*>(copy + W::kCopyVMax);
+      if (tid % 32 == 0) tops[half] = top;
+      if constexpr (HALF_SCALES) {
+        *reinterpret_cast<uint16_t*>(copy + HalfScales::kAt + HalfScales::at(token)) =
+            static_cast<uint16_t>(scale_half);
+        if (tid % 32 == 0) {
+          tops[2 + half] = top > 0.f ? __log2f(top) : 0.f;
+          tops[4 + half] = inv;
+        }
+      }
+    }
   }
-}
+};
 
 }  // namespace llfd
