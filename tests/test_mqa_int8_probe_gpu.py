@@ -12,12 +12,15 @@ pytestmark = pytest.mark.gpu
 LENGTHS = [0, 1, 63, 64, 65, 700, 1024]
 
 
-@pytest.mark.parametrize("config", [(6, 3, 1, 0, 0, 1), (2, 2, 1, 0, 0, 1), (4, 4, 2, 0, 0, 1),
-                                    (6, 4, 2, 0, 0, 1), (2, 5, 2, 0, 0, 1), (6, 3, 1, 0, 1, 1),
-                                    (4, 4, 2, 0, 1, 1), (2, 5, 2, 0, 1, 1), (4, 4, 2, 0, 1, 2),
-                                    (2, 4, 2, 0, 1, 2), (6, 6, 2, 0, 0, 2), (4, 8, 2, 0, 1, 1),
-                                    (4, 8, 2, 0, 1, 2)],
-                         ids=lambda c: "s{}c{}t{}x{}w{}".format(c[0], c[1], c[2], c[4], c[5]))
+@pytest.mark.parametrize("config", [(6, 3, 1, 0, 0, 1, 0), (2, 2, 1, 0, 0, 1, 0),
+                                    (4, 4, 2, 0, 0, 1, 0), (6, 4, 2, 0, 0, 1, 0),
+                                    (2, 5, 2, 0, 0, 1, 0), (6, 3, 1, 0, 1, 1, 0),
+                                    (4, 4, 2, 0, 1, 1, 0), (2, 5, 2, 0, 1, 1, 0),
+                                    (4, 4, 2, 0, 1, 2, 0), (2, 4, 2, 0, 1, 2, 0),
+                                    (6, 6, 2, 0, 0, 2, 0), (4, 8, 2, 0, 1, 1, 0),
+                                    (4, 8, 2, 0, 1, 2, 0), (4, 4, 2, 0, 1, 1, 1),
+                                    (2, 4, 2, 0, 1, 1, 1), (6, 3, 1, 0, 1, 1, 1)],
+                         ids=lambda c: "s{}c{}t{}x{}w{}p{}".format(*c[:3], *c[4:]))
 @pytest.mark.parametrize("heads", [(64, 1), (32, 1), (17, 1), (96, 2)],
                          ids=lambda h: "{}-{}".format(*h))
 def test_mqa_int8_probe_matches_the_rounded_q_oracle(heads, config):
@@ -43,7 +46,8 @@ def test_mqa_int8_probe_matches_the_rounded_q_oracle(heads, config):
     assert np.all(out[0] == 0)  # the empty row: zeros, written
 
 
-@pytest.mark.parametrize("variant", [(0, 1), (1, 1), (1, 2)], ids=lambda v: "x{}w{}".format(*v))
+@pytest.mark.parametrize("variant", [(0, 1, 0), (1, 1, 0), (1, 2, 0), (1, 1, 1)],
+                         ids=lambda v: "x{}w{}p{}".format(*v))
 def test_mqa_int8_probe_follows_scales_across_their_range(variant):
     """The V reference and the row maxima move: V scales from 1e-3 to 1e3 (a running largest
     that grows along the sequence, and one that starts large), a tile of zero V scales, and K
@@ -69,6 +73,8 @@ def test_mqa_int8_probe_follows_scales_across_their_range(variant):
         v_scale[1, 0, 64:128] = 0  # a tile whose P is 0 but whose l counts
         k_scale[2, 0] *= np.linspace(0.2, 4.0, work.seq_len, dtype=np.float32)  # rising maxima
         v_scale[3, 0, :] = 0  # nothing but zero V scales: the output is 0
+        if variant[0] == 1:  # softmax_h16 takes the V scales' magnitudes: negative ones work
+            v_scale[2, 0, ::3] *= -1
         a["k_scale"].copy_from_numpy(k_scale, stream)
         a["v_scale"].copy_from_numpy(v_scale, stream)
         stream.synchronize()

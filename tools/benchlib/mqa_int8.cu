@@ -27,7 +27,10 @@ namespace llfd {
 // softmax_tile, 1 mqa_int8_softmax.cuh's softmax_h16 (its V scales written by the widener).
 // WIDENERS: 1, or 2 widening warpgroups taking alternate tiles (PERF_NOTES v40), each copying
 // its own tiles (thread 0) and releasing its stages by their empty mbarriers.
-template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0, int WIDENERS = 1>
+// SPLIT: the widener converts half of V (dims 0 .. 63) and the team of the tile the other half,
+// in the step before its P V, while its S(j + TEAMS) is in flight (PERF_NOTES v40).
+template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0, int WIDENERS = 1,
+          int SPLIT = 0>
 __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
   static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
@@ -39,6 +42,10 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
   static_assert(WIDENERS == 1 || (WIDENERS == 2 && TEAMS == 2 && STAGES % 2 == 0 &&
                                   COPIES % 2 == 0), "one widener, or two with two teams and "
                                                     "even rings");
+  // A team writes its half of copy j + TEAMS: its last reader (tile j + TEAMS - COPIES) must be
+  // the team's own, already done.
+  static_assert(SPLIT == 0 || (WIDENERS == 1 && (TEAMS == 1 || COPIES % 2 == 0)),
+                "split widening: one widener, copies a multiple of the teams");
   using L = MqaLayout<STAGES, COPIES, TEAMS>;
   using W = WgLayout<128>;
   extern __shared__ __align__(128) char smem_raw[];
@@ -93,9 +100,9 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
       }
       const int s = j % STAGES;
       mbar_wait(full + 8 * s, (j / STAGES) & 1);
+      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1, SPLIT ? 2 : 4> widened;
+      widened.load(smem + s * L::kStageBytes, 64 * j, len, tid);  // in registers meanwhile
       if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
-      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1> widened;
-      widened.load(smem + s * L::kStageBytes, 64 * j, len, tid);
       widened.store(copy_of(j), tid);
       fence_proxy_async();
       mbar_arrive(cfull + 8 * (j % COPIES));
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
   // ---- the computing warpgroups (team cw): rows r_lo and r_lo + 8 of this lane ----
   if constexpr (WIDENERS == 2) set_max_registers<192>();
   else if constexpr (TEAMS == 2) set_max_registers<216>();
-  const int cw = wg - WIDENERS;
+  const int cw = wg - WIDENERS, tid = threadIdx.x % 128;
   const int r_lo = 16 * (warp % 4) + g;
   uint32_t qa[4][4];
   float row_const[2];
@@ -151,6 +158,8 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     issue_scores_s8(si, qa, stage_k(cw));
     wgmma_wait<0>();
     fence_ints(si);
+    if constexpr (SPLIT && !(CONTROL & 1))
+      widen_chunks<STAGES, COPIES, 2>(smem + (cw % STAGES) * L::kStageBytes, copy_of(cw), tid);
     mbar_arrive(empty + 8 * (cw % STAGES));
     mbar_wait(cfull + 8 * (cw % COPIES), (cw / COPIES) & 1);
     ks.load(copy_of(cw), c);
@@ -165,6 +174,8 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     const int next = j + TEAMS;
     const bool more = next < tiles;
     if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
+    if constexpr (SPLIT)  // the team's half of copy j, written last step, before its P V
+      asm volatile("bar.sync %0, 128;" ::"r"(6 + cw) : "memory");
     rescale_rows(o, corr);
     wgmma_fence();
     issue_scores_s8(si, qa, stage_k(next));
@@ -172,6 +183,9 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     wgmma_wait<1>();
     fence_ints(si);
     if (more) {
+      if constexpr (SPLIT && !(CONTROL & 1))
+        widen_chunks<STAGES, COPIES, 2>(smem + (next % STAGES) * L::kStageBytes, copy_of(next),
+                                        tid);
       mbar_arrive(empty + 8 * (next % STAGES));
       mbar_wait(cfull + 8 * (next % COPIES), (next / COPIES) & 1);
       ks.load(copy_of(next), c);

@@ -137,27 +137,42 @@ struct HalfScales {
 static_assert(HalfScales::kEnd - WgLayout<128>::kCopyV <= MqaLayout<2, 2>::kCopySpan,
               "the fp16 V scales fit a copy");
 
+// The smallest power of two at or above |x| (a normal float; zero and subnormals give 0): its
+// log2 and reciprocal, both exact, by integer steps (no MUFU, no rounding): the V references.
+__device__ __forceinline__ void pow2_above(float x, float& log2_out, float& inv_out) {
+  const uint32_t bits = __float_as_uint(x) & 0x7fffffffu;
+  const int biased = static_cast<int>(bits >> 23);
+  const int e = min(biased - 127 + ((bits & 0x7fffffu) != 0u), 126);
+  log2_out = biased ? static_cast<float>(e) : 0.f;
+  inv_out = biased ? __uint_as_float(static_cast<uint32_t>(127 - e) << 23) : 0.f;
+}
+
 // A landed tile's V (int8, TMA's swizzle = MultiTile's) -> fp16 in the copy, and its K and V
 // scales into the copy's rows (widen_tile's scale half), in two steps: load() reads the stage
 // and converts in registers (the stage is then free), store() writes the copy (once its last
 // reader is done). V scales of tokens at or past `len` are zeroed: their P is 0, but the pool
 // may hold anything there. tid: the thread within the widening warpgroup. HALF_SCALES adds
 // softmax_h16's: each V scale relative to its half tile's largest magnitude (found by one
-// redux on the magnitudes' bits, which order as unsigned integers), that largest's log2 and
+// redux on the magnitudes' bits, which order as unsigned integers), relative in fact to the
+// power of two at or above it (pow2_above: exact scaling), with that power's log2 and
 // reciprocal; otherwise the half tiles' largest values, for softmax_tile.
-template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false>
+// CHUNKS: V's chunks 0 .. CHUNKS - 1 (chunk i: tokens (tid + 128 i) % 64, dims 16 i + 8 (tid /
+// 64) .. + 7 pairs, i.e. dims 32 i .. 32 i + 31 over the warpgroup); the rest is the teams'
+// (widen_chunks).
+template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false, int CHUNKS = 4>
 struct VWidening {
   using L = MqaLayout<STAGES, COPIES>;  // the stage layout does not depend on TEAMS
   using W = WgLayout<128>;
   using T = MultiTile<128, 64, 128>;
-  uint32_t h[CONVERT ? 4 : 1][8];  // chunk i: tokens (tid + 128 i) % 64, 16 dims
-  float scale, top, inv;
+  static constexpr int kChunks = CONVERT ? CHUNKS : 0;
+  uint32_t h[kChunks > 0 ? kChunks : 1][8];
+  float scale, top, lht, inv;
   uint32_t scale_half;
 
   __device__ __forceinline__ void load(const char* stage, int t0, int len, int tid) {
-    uint4 in[CONVERT ? 4 : 1];
+    uint4 in[kChunks > 0 ? kChunks : 1];
 #pragma unroll
-    for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int idx = tid + 128 * i;
       in[i] = *reinterpret_cast<const uint4*>(stage + L::kV + T::offset(idx % 64, idx / 64));
     }
@@ -166,7 +181,7 @@ struct VWidening {
     const float raw = reinterpret_cast<const float*>(stage + L::kKScale)[tid];
     scale = v && t0 + token >= len ? 0.f : raw;
 #pragma unroll
-    for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const uint32_t words[4] = {in[i].x, in[i].y, in[i].z, in[i].w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {  // as multi_wg_tiles.cuh's widen_tile converts a chunk
@@ -178,9 +193,8 @@ struct VWidening {
     if (v) {
       if constexpr (HALF_SCALES) {
         top = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(scale) & 0x7fffffffu));
-        inv = 0.f;
-        if (top > 0.f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(top));
-        scale_half = pack2<f16>(scale * inv, 0.f);
+        pow2_above(top, lht, inv);
+        scale_half = pack2<f16>(scale * inv, 0.f);  // exact but for fp16's rounding
       } else {
         top = warp_max_xor(scale, 16);
       }
@@ -189,7 +203,7 @@ struct VWidening {
 
   __device__ __forceinline__ void store(char* copy, int tid) const {
 #pragma unroll
-    for (int i = 0; i < (CONVERT ? 4 : 0); ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int idx = tid + 128 * i, t = idx % 64, ch = idx / 64;
       char* dst = copy + W::kCopyV;
       *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch)) =
@@ -208,13 +222,41 @@ struct VWidening {
       if constexpr (HALF_SCALES) {
         *reinterpret_cast<uint16_t*>(copy + HalfScales::kAt + HalfScales::at(token)) =
             static_cast<uint16_t>(scale_half);
-        if (tid % 32 == 0) {
-          tops[2 + half] = top > 0.f ? __log2f(top) : 0.f;
-          tops[4 + half] = inv;
-        }
+        if (tid % 32 == 0) tops[2 + half] = lht, tops[4 + half] = inv;
       }
     }
   }
 };
+
+// A computing team's share of V (SPLIT: chunks FIRST .. 3 of VWidening's numbering), stage to
+// copy in one go, fenced for the team's own wgmma (after a barrier of the team).
+template <int STAGES, int COPIES, int FIRST>
+__device__ __forceinline__ void widen_chunks(const char* stage, char* copy, int tid) {
+  using L = MqaLayout<STAGES, COPIES>;
+  using W = WgLayout<128>;
+  using T = MultiTile<128, 64, 128>;
+  uint4 in[4 - FIRST];
+#pragma unroll
+  for (int i = FIRST; i < 4; ++i) {
+    const int idx = tid + 128 * i;
+    in[i - FIRST] = *reinterpret_cast<const uint4*>(stage + L::kV + T::offset(idx % 64, idx / 64));
+  }
+#pragma unroll
+  for (int i = FIRST; i < 4; ++i) {
+    const int idx = tid + 128 * i, t = idx % 64, ch = idx / 64;
+    const uint32_t words[4] = {in[i - FIRST].x, in[i - FIRST].y, in[i - FIRST].z, in[i - FIRST].w};
+    uint32_t h[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t u = words[k] ^ 0x80808080u;
+      h[2 * k] = int8_pair<0x4140u>(u);
+      h[2 * k + 1] = int8_pair<0x4342u>(u);
+    }
+    char* dst = copy + W::kCopyV;
+    *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+  }
+  fence_proxy_async();
+}
 
 }  // namespace llfd

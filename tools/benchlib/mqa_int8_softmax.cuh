@@ -20,16 +20,16 @@
 
 namespace llfd {
 
-// The running reference of the V scales (softmax_tile's VRef, with its reciprocal): O and l
-// are kept in units of 1 / top.
+// The running reference of the V scales (softmax_tile's VRef, a power of two here, with its
+// reciprocal): O and l are kept in units of 2^-shift. V scales must be normal floats or zero.
 // A lane's row sum of 16 exponentials in the fast path at most 2^12: every P <= 2^12, and
 // the sum in fp16 is finite.
 constexpr float kSumCap = 4096.f;
 
 struct VRefH {
-  float top = 0.f;    // the largest V scale seen (0: none positive yet)
-  float shift = 0.f;  // log2(top), 0 while top is 0
-  float inv = 1.f;    // 1 / top, 1 while top is 0
+  float top = 0.f;    // the largest |V scale| seen (0: none yet)
+  float shift = 0.f;  // log2 of the power of two at or above top (pow2_above), 0 while top is 0
+  float inv = 1.f;    // 2^-shift
 };
 
 __device__ __forceinline__ uint32_t hadd2(uint32_t a, uint32_t b) {
@@ -130,8 +130,7 @@ __device__ __forceinline__ void softmax_h16(float (&s)[32], uint32_t (&a)[4][4],
     const float grown = fmaxf(vr.top, fmaxf(top.x, top.y));
     if (grown != vr.top) {
       vr.top = grown;
-      vr.shift = __log2f(grown);
-      vr.inv = 1.f / grown;
+      pow2_above(grown, vr.shift, vr.inv);  // at or above every tile's reference (lht)
     }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
