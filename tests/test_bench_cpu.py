@@ -542,13 +542,14 @@ def test_heads_probe_kernel_compiles_for_sm_90_without_spills():
         assert resources.registers <= 128, variant  # 2 CTAs of 256 threads per SM
 
 
-# -- the int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39) --------
+# -- the int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39, v40) ---
 def test_mqa_int8_probe_compiles_for_sm_90a_without_spills_and_fits_shared_memory():
     from benchlib import mqa_int8
     assert mqa_int8.ctypes.sizeof(mqa_int8.MqaParams) == 80
     assert mqa_int8.MqaParams.score_scale_log2.offset == 64
     assert mqa_int8.MqaMaps.v.offset == 128
-    for variant in (mqa_int8.MqaVariant(6, 3, 1), mqa_int8.MqaVariant(4, 4, 2)):
+    for variant in (mqa_int8.MqaVariant(6, 3, 1), mqa_int8.MqaVariant(4, 4, 2),
+                    mqa_int8.MqaVariant(4, 4, 2, 0, 1), mqa_int8.MqaVariant(4, 8, 2, 0, 1)):
         program = variant.compile("sm_90")  # NVRTC only: wgmma needs sm_90a, chosen for it
         assert program.arch == "sm_90a"
         (resources,) = program.resources.values()
@@ -565,6 +566,8 @@ def test_mqa_int8_probe_rejects_a_ring_that_deadlocks():
         mqa_int8.MqaVariant(2, 2, 2)  # a team would wait for the copy it holds
     with pytest.raises(ValueError, match="1 or 2 teams"):
         mqa_int8.MqaVariant(4, 8, 3)
+    with pytest.raises(ValueError, match="softmax 0 or 1"):
+        mqa_int8.MqaVariant(4, 4, 2, 0, 2)
 
 
 def test_mqa_int8_oracle_rounds_q_per_row_to_127_steps():

@@ -2,7 +2,7 @@
 """The int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu) against the shipped
 DecodePlan over the same L layers: layer 0 against the float64 oracle (with q rounded as the
 kernel rounds it, and as given), then L2-honest graph replay per layer, as % of the read
-reference measured in the same run (PERF_NOTES v39).
+reference measured in the same run (PERF_NOTES v39, v40).
 
     PYTHONPATH=.:tools python3 tools/probe_mqa_int8.py --shapes '128,64,1,4096;128,32,1,4096'
 
@@ -26,7 +26,7 @@ from benchlib.workloads import Workload, layer_count
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="128,64,1,4096;128,32,1,4096;32,64,1,4096")
-    parser.add_argument("--configs", default="6x3x1,4x4x2",
+    parser.add_argument("--configs", default="4x4x2x0x0,4x4x2x0x1",
                         help="STAGESxCOPIESxTEAMS[xCONTROL[xSOFTMAX]], comma-separated")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-// Multi-query decode with an int8 Q K^T (PERF_NOTES v39; a probe, not routed): one query token
+// Multi-query decode with an int8 Q K^T (PERF_NOTES v39, v40; a probe, not routed): one query token
 // per sequence, a KV head's whole group (<= 64 heads) as the 64 rows of one warpgroup's wgmma.
 //
 // Why: the shipped warpgroup kernel (lowlevel_fd/cu/multi_wg.cu) widens every K and V tile to
@@ -10,12 +10,13 @@
 //
 // CTA: warpgroup 0 copies (thread 0: a ring of STAGES int8 tiles of 64 tokens, each tile's
 // K, V and scales on one mbarrier) and widens V and the scales into COPIES copies in
-// multi_wg's copy layout (WgLayout: only its V and scale regions exist here); TEAMS computing
+// multi_wg's copy layout (WgLayout: only its V and scale regions exist here), reading a tile
+// into registers before it waits for the copy's last reader (VWidening); TEAMS computing
 // warpgroups (1 or 2) take the tiles in turn (team w: tiles w, w + TEAMS, ...), each with its
-// own online softmax over the same 64 rows (softmax and products as multi_wg.cu's), merged in
-// shared memory at the end. Hand-overs by mbarriers, each completed by the tile's team alone:
-// full (tile landed), empty (its S has read K), cfull (copy written), cempty (its P V has read
-// it).
+// own online softmax over the same 64 rows (SOFTMAX: multi_wg.cu's softmax_tile, or
+// softmax_h16), merged at the end in shared memory over the stages. Hand-overs by mbarriers,
+// each completed by the tile's team alone: full (tile landed), empty (its S has read K), cfull
+// (copy written), cempty (its P V has read it).
 // Contiguous bnsh cache, per-token fp32 scales, one split, head_dim 128, a capacity that is a
 // multiple of 64 (a tile's scales are one 256-byte copy).
 #include "mqa_int8_softmax.cuh"
@@ -25,27 +26,14 @@ namespace llfd {
 // CONTROL (timing controls, outputs wrong; 0 ships in every test): bit 0 skips V's widening
 // (the scales are still copied), bit 1 the softmax (P stays as it was). SOFTMAX: 0 multi_wg's
 // softmax_tile, 1 mqa_int8_softmax.cuh's softmax_h16 (its V scales written by the widener).
-// WIDENERS: 1, or 2 widening warpgroups taking alternate tiles (PERF_NOTES v40), each copying
-// its own tiles (thread 0) and releasing its stages by their empty mbarriers.
-// SPLIT: the widener converts half of V (dims 0 .. 63) and the team of the tile the other half,
-// in the step before its P V, while its S(j + TEAMS) is in flight (PERF_NOTES v40).
-template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0, int WIDENERS = 1,
-          int SPLIT = 0>
-__global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
+template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0>
+__global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
   static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
   // A team holds the copy of its tile j (P V) while it waits for that of j + TEAMS (softmax):
   // with fewer copies those are one and the same, and it waits for itself.
   static_assert(COPIES >= 2 * TEAMS, "two copies per team");
   static_assert(SOFTMAX == 0 || SOFTMAX == 1, "softmax_tile or softmax_h16");
-  // Two wideners: a stage and a copy return to the warpgroup that used them last.
-  static_assert(WIDENERS == 1 || (WIDENERS == 2 && TEAMS == 2 && STAGES % 2 == 0 &&
-                                  COPIES % 2 == 0), "one widener, or two with two teams and "
-                                                    "even rings");
-  // A team writes its half of copy j + TEAMS: its last reader (tile j + TEAMS - COPIES) must be
-  // the team's own, already done.
-  static_assert(SPLIT == 0 || (WIDENERS == 1 && (TEAMS == 1 || COPIES % 2 == 0)),
-                "split widening: one widener, copies a multiple of the teams");
   using L = MqaLayout<STAGES, COPIES, TEAMS>;
   using W = WgLayout<128>;
   extern __shared__ __align__(128) char smem_raw[];
@@ -64,7 +52,7 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
   const uint32_t cfull = shared_address(cfull_bar), cempty = shared_address(cempty_bar);
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s)
-      mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, WIDENERS == 2 ? 256 : 128);
+      mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, 128);
     for (int s = 0; s < COPIES; ++s) mbar_init(cfull + 8 * s, 128), mbar_init(cempty + 8 * s, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -73,10 +61,9 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     return smem + L::kCopy0 + (j % COPIES) * L::kCopySpan - W::kCopyV;
   };
 
-  if (wg < WIDENERS) {
-    if constexpr (WIDENERS == 2) set_max_registers<64>();
-    else if constexpr (TEAMS == 2) set_max_registers<72>();
-    const int row = b * p.num_kv_heads + kvh, tid = threadIdx.x % 128;
+  if (wg == 0) {
+    if constexpr (TEAMS == 2) set_max_registers<72>();
+    const int row = b * p.num_kv_heads + kvh, tid = threadIdx.x;
     auto issue = [&](int t) __attribute__((always_inline)) {  // thread 0
       const int s = t % STAGES;
       const uint32_t stage = base + s * L::kStageBytes, bar = full + 8 * s;
@@ -88,37 +75,31 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
       bulk_copy(stage + L::kVScale, p.v_scale + at, 256, bar);
     };
     if (tid == 0)
-      for (int t = wg; t < min(STAGES, tiles); t += WIDENERS) issue(t);
+      for (int t = 0; t < min(STAGES, tiles); ++t) issue(t);
 #pragma unroll 1
-    for (int j = wg; j < tiles; j += WIDENERS) {
-      // The stage of this warpgroup's previous tile refills once its S has read K and this
-      // warpgroup has read V and the scales.
-      const int before = j - WIDENERS;
-      if (tid == 0 && before >= 0 && before + STAGES < tiles) {
-        mbar_wait(empty + 8 * (before % STAGES), (before / STAGES) & 1);
-        issue(before + STAGES);
+    for (int j = 0; j < tiles; ++j) {
+      // The stage of tile j - 1 (its V widened last step) refills once its S has read K.
+      if (tid == 0 && j >= 1 && j - 1 + STAGES < tiles) {
+        mbar_wait(empty + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
+        issue(j - 1 + STAGES);
       }
       const int s = j % STAGES;
       mbar_wait(full + 8 * s, (j / STAGES) & 1);
-      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1, SPLIT ? 2 : 4> widened;
+      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1> widened;
       widened.load(smem + s * L::kStageBytes, 64 * j, len, tid);  // in registers meanwhile
       if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
       widened.store(copy_of(j), tid);
       fence_proxy_async();
       mbar_arrive(cfull + 8 * (j % COPIES));
-      if constexpr (WIDENERS == 2)
-        mbar_arrive(empty + 8 * s);  // this warpgroup's reads of stage s are done
-      else
-        asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
+      asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
     }
     allow_next_grid();
     return;
   }
 
   // ---- the computing warpgroups (team cw): rows r_lo and r_lo + 8 of this lane ----
-  if constexpr (WIDENERS == 2) set_max_registers<192>();
-  else if constexpr (TEAMS == 2) set_max_registers<216>();
-  const int cw = wg - WIDENERS, tid = threadIdx.x % 128;
+  if constexpr (TEAMS == 2) set_max_registers<216>();
+  const int cw = wg - 1;
   const int r_lo = 16 * (warp % 4) + g;
   uint32_t qa[4][4];
   float row_const[2];
@@ -158,8 +139,6 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     issue_scores_s8(si, qa, stage_k(cw));
     wgmma_wait<0>();
     fence_ints(si);
-    if constexpr (SPLIT && !(CONTROL & 1))
-      widen_chunks<STAGES, COPIES, 2>(smem + (cw % STAGES) * L::kStageBytes, copy_of(cw), tid);
     mbar_arrive(empty + 8 * (cw % STAGES));
     mbar_wait(cfull + 8 * (cw % COPIES), (cw / COPIES) & 1);
     ks.load(copy_of(cw), c);
@@ -174,8 +153,6 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     const int next = j + TEAMS;
     const bool more = next < tiles;
     if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
-    if constexpr (SPLIT)  // the team's half of copy j, written last step, before its P V
-      asm volatile("bar.sync %0, 128;" ::"r"(6 + cw) : "memory");
     rescale_rows(o, corr);
     wgmma_fence();
     issue_scores_s8(si, qa, stage_k(next));
@@ -183,9 +160,6 @@ __global__ void __launch_bounds__(128 * (WIDENERS + TEAMS), 1)
     wgmma_wait<1>();
     fence_ints(si);
     if (more) {
-      if constexpr (SPLIT && !(CONTROL & 1))
-        widen_chunks<STAGES, COPIES, 2>(smem + (next % STAGES) * L::kStageBytes, copy_of(next),
-                                        tid);
       mbar_arrive(empty + 8 * (next % STAGES));
       mbar_wait(cfull + 8 * (next % COPIES), (next / COPIES) & 1);
       ks.load(copy_of(next), c);

@@ -1,4 +1,4 @@
-"""The int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39): its
+"""The int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39, v40): its
 variants, parameter block, tensor maps, launches over a WorkloadBench's layers, and the oracle
 with q rounded as the kernel rounds it.
 
@@ -55,28 +55,22 @@ class MqaVariant:
     teams: int = 1
     control: int = 0  # timing controls (mqa_int8.cu CONTROL): outputs wrong unless 0
     softmax: int = 0  # 0: multi_wg's softmax_tile; 1: softmax_h16 (mqa_int8_softmax.cuh)
-    wideners: int = 1  # warpgroups widening V (2: alternate tiles; two teams, even rings)
-    split: int = 0  # 1: the widener converts half of V, each team the other half of its tiles
 
     def __post_init__(self) -> None:
         if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams or (
-                self.softmax not in (0, 1)) or self.wideners not in (1, 2) or (
-                self.wideners == 2 and (self.teams != 2 or self.stages % 2 or self.copies % 2)) or (
-                self.split not in (0, 1)) or (self.split and (self.wideners != 1 or (
-                    self.teams == 2 and self.copies % 2))):
+                self.softmax not in (0, 1)):
             raise ValueError(f"mqa_int8: 1 or 2 teams, >= 2 stages and >= 2 copies per team "
                              f"(a team holds one copy while it waits for the next), softmax 0 "
-                             f"or 1, 1 widener or 2 (with 2 teams and even rings), a split with "
-                             f"1 widener and copies a multiple of the teams, got {self}")
+                             f"or 1, got {self}")
 
     @property
     def threads(self) -> int:
-        return 128 * (self.wideners + self.teams)
+        return 128 * (1 + self.teams)
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
         return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}, "
-                f"{self.softmax}, {self.wideners}, {self.split}>",)
+                f"{self.softmax}>",)
 
     @property
     def shared_bytes(self) -> int:

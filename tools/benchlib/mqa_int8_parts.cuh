@@ -156,15 +156,12 @@ __device__ __forceinline__ void pow2_above(float x, float& log2_out, float& inv_
 // redux on the magnitudes' bits, which order as unsigned integers), relative in fact to the
 // power of two at or above it (pow2_above: exact scaling), with that power's log2 and
 // reciprocal; otherwise the half tiles' largest values, for softmax_tile.
-// CHUNKS: V's chunks 0 .. CHUNKS - 1 (chunk i: tokens (tid + 128 i) % 64, dims 16 i + 8 (tid /
-// 64) .. + 7 pairs, i.e. dims 32 i .. 32 i + 31 over the warpgroup); the rest is the teams'
-// (widen_chunks).
-template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false, int CHUNKS = 4>
+template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false>
 struct VWidening {
   using L = MqaLayout<STAGES, COPIES>;  // the stage layout does not depend on TEAMS
   using W = WgLayout<128>;
   using T = MultiTile<128, 64, 128>;
-  static constexpr int kChunks = CONVERT ? CHUNKS : 0;
+  static constexpr int kChunks = CONVERT ? 4 : 0;  // chunk i: tokens (tid + 128 i) % 64
   uint32_t h[kChunks > 0 ? kChunks : 1][8];
   float scale, top, lht, inv;
   uint32_t scale_half;
@@ -227,36 +224,5 @@ struct VWidening {
     }
   }
 };
-
-// A computing team's share of V (SPLIT: chunks FIRST .. 3 of VWidening's numbering), stage to
-// copy in one go, fenced for the team's own wgmma (after a barrier of the team).
-template <int STAGES, int COPIES, int FIRST>
-__device__ __forceinline__ void widen_chunks(const char* stage, char* copy, int tid) {
-  using L = MqaLayout<STAGES, COPIES>;
-  using W = WgLayout<128>;
-  using T = MultiTile<128, 64, 128>;
-  uint4 in[4 - FIRST];
-#pragma unroll
-  for (int i = FIRST; i < 4; ++i) {
-    const int idx = tid + 128 * i;
-    in[i - FIRST] = *reinterpret_cast<const uint4*>(stage + L::kV + T::offset(idx % 64, idx / 64));
-  }
-#pragma unroll
-  for (int i = FIRST; i < 4; ++i) {
-    const int idx = tid + 128 * i, t = idx % 64, ch = idx / 64;
-    const uint32_t words[4] = {in[i - FIRST].x, in[i - FIRST].y, in[i - FIRST].z, in[i - FIRST].w};
-    uint32_t h[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t u = words[k] ^ 0x80808080u;
-      h[2 * k] = int8_pair<0x4140u>(u);
-      h[2 * k + 1] = int8_pair<0x4342u>(u);
-    }
-    char* dst = copy + W::kCopyV;
-    *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch)) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(dst + W::at(t, 2 * ch + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
-  }
-  fence_proxy_async();
-}
 
 }  // namespace llfd
