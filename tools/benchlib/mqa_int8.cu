@@ -26,9 +26,7 @@ namespace llfd {
 // CONTROL (timing controls, outputs wrong; 0 ships in every test): bit 0 skips V's widening
 // (the scales are still copied), bit 1 the softmax (P stays as it was). SOFTMAX: 0 multi_wg's
 // softmax_tile, 1 mqa_int8_softmax.cuh's softmax_h16 (its V scales written by the widener).
-// BIASED: V widened as v + 1152 without the subtraction, the bias taken out after P V
-// (issue_values_biased; PERF_NOTES v40).
-template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0, int BIASED = 0>
+template <int STAGES, int COPIES, int TEAMS, int CONTROL = 0, int SOFTMAX = 0>
 __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     mqa_int8(const __grid_constant__ MqaParams p, const __grid_constant__ MqaMaps maps) {
   static_assert(TEAMS == 1 || TEAMS == 2, "one or two computing warpgroups");
@@ -57,11 +55,6 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, 128);
     for (int s = 0; s < COPIES; ++s) mbar_init(cfull + 8 * s, 128), mbar_init(cempty + 8 * s, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if constexpr (BIASED != 0) {
-    if (threadIdx.x < 64) reinterpret_cast<uint4*>(smem + L::kOnes)[threadIdx.x] =
-        make_uint4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);
-    fence_proxy_async();
   }
   __syncthreads();
   auto copy_of = [&](int j) __attribute__((always_inline)) {
@@ -92,7 +85,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       }
       const int s = j % STAGES;
       mbar_wait(full + 8 * s, (j / STAGES) & 1);
-      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1, BIASED != 0> widened;
+      VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1> widened;
       widened.load(smem + s * L::kStageBytes, 64 * j, len, tid);  // in registers meanwhile
       if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
       widened.store(copy_of(j), tid);
@@ -112,7 +105,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   float row_const[2];
   load_query_s8(qa, row_const, p, b, kvh, r_lo, c);
   const int visible[2] = {len, len};
-  float o[64], ones[4] = {0.f, 0.f, 0.f, 0.f};
+  float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
@@ -161,13 +154,9 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     const bool more = next < tiles;
     if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
     rescale_rows(o, corr);
-    if constexpr (BIASED != 0) rescale_rows(ones, corr);
     wgmma_fence();
     issue_scores_s8(si, qa, stage_k(next));
-    if constexpr (BIASED != 0)
-      issue_values_biased(o, ones, cur, base + (copy_of(j) - smem), base + L::kOnes);
-    else
-      issue_values<128>(o, cur, base + (copy_of(j) - smem));
+    issue_values<128>(o, cur, base + (copy_of(j) - smem));
     wgmma_wait<1>();
     fence_ints(si);
     if (more) {
@@ -178,7 +167,6 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     }
     wgmma_wait<0>();
     fence_operands(o);
-    fence_operands(ones);
     mbar_arrive(cempty + 8 * (j % COPIES));
   };
 #pragma unroll 1
@@ -187,10 +175,6 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     if (j + TEAMS < tiles) tile_step(j + TEAMS, a_next, a);
   }
   allow_next_grid();
-  if constexpr (BIASED != 0) {  // O = O' - 1152 (P 1): each row's ones are its columns 0, 1
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = fmaf(-1152.f, ones[i & 2], o[i]);
-  }
 
   float sums[2];
 #pragma unroll

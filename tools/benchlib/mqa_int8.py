@@ -55,14 +55,13 @@ class MqaVariant:
     teams: int = 1
     control: int = 0  # timing controls (mqa_int8.cu CONTROL): outputs wrong unless 0
     softmax: int = 0  # 0: multi_wg's softmax_tile; 1: softmax_h16 (mqa_int8_softmax.cuh)
-    biased: int = 0  # 1: V widened as v + 1152, the bias removed through a column of ones
 
     def __post_init__(self) -> None:
         if self.teams not in (1, 2) or self.stages < 2 or self.copies < 2 * self.teams or (
-                self.softmax not in (0, 1)) or self.biased not in (0, 1):
+                self.softmax not in (0, 1)):
             raise ValueError(f"mqa_int8: 1 or 2 teams, >= 2 stages and >= 2 copies per team "
                              f"(a team holds one copy while it waits for the next), softmax 0 "
-                             f"or 1, biased 0 or 1, got {self}")
+                             f"or 1, got {self}")
 
     @property
     def threads(self) -> int:
@@ -71,13 +70,13 @@ class MqaVariant:
     @property
     def kernel_names(self) -> tuple[str, ...]:
         return (f"llfd::mqa_int8<{self.stages}, {self.copies}, {self.teams}, {self.control}, "
-                f"{self.softmax}, {self.biased}>",)
+                f"{self.softmax}>",)
 
     @property
     def shared_bytes(self) -> int:
-        """Stages and copies (the second team's merge area lies over the stages), 1 KiB of
-        ones (biased), and 1 KiB to align them."""
-        return (self.stages + self.copies) * SPAN + 2 * 1024
+        """Stages and copies (the second team's merge area lies over the stages), and 1 KiB
+        to align them."""
+        return (self.stages + self.copies) * SPAN + 1024
 
     def compile(self, arch: str) -> CompiledProgram:
         """For sm_90a whatever Hopper ``arch`` says: wgmma is arch-specific."""

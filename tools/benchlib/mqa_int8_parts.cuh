@@ -31,9 +31,7 @@ struct MqaLayout {
   // Two teams: the second's accumulators ([64][128 threads]), then its rows' offsets and sums
   // ([2][128] each), over the first two stages once both teams' loops are done.
   static constexpr int kMerge = 0;
-  // 1 KB of fp16 1.0 (BIASED: the ones B operand reads 256 bytes of it; the rest is margin).
-  static constexpr int kOnes = kCopy0 + COPIES * kCopySpan;
-  static constexpr int kBytes = kOnes + 1024;
+  static constexpr int kBytes = kCopy0 + COPIES * kCopySpan;
   static_assert(TEAMS == 1 || 68 * 128 * 4 <= STAGES * kStageBytes, "the merge fits the stages");
   static_assert(kCopySpan % 1024 == 0 && kCopy0 >= W::kCopyV, "aligned copies in the window");
 };
@@ -57,34 +55,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_s8(int (&d)[32], const uint32_t 
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p;\n}\n"
         : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-
-// D[64 x 8] += A[64 x 16] B[16 x 8], A fp16 in registers, B fp16 K-major without swizzle (two
-// 8 x 8 core matrices 128 bytes apart).
-__device__ __forceinline__ void wgmma_m64n8k16_rs(float (&d)[4], const uint32_t (&a)[4],
-                                                  uint64_t b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, "
-      "1, 1, 1, 0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-// O' += P V' with V' = V + 1152 (a copy widened BIASED), and ones += P 1: the row sums of P as
-// the tensor cores add them, so that O = O' - 1152 ones loses nothing to a rounded sum.
-__device__ __forceinline__ void issue_values_biased(float (&o)[64], float (&ones)[4],
-                                                    const uint32_t (&a)[4][4], uint32_t copy,
-                                                    uint32_t ones_tile) {
-  using L = WgLayout<128>;
-  const uint64_t v0 = sw128_descriptor(copy + L::kCopyV, L::kBlockBytes, 1024);
-  const uint64_t one = (static_cast<uint64_t>(256 >> 4) << 32) | ((ones_tile >> 4) & 0x3fffu) |
-                       ((128u >> 4) << 16);  // no swizzle: leading 128, stride 256 bytes
-#pragma unroll
-  for (int kt = 0; kt < 4; ++kt) {
-    wgmma_m64n128k16_rs(o, a[kt], descriptor_plus(v0, kt * 16 * 128), 1);
-    wgmma_m64n8k16_rs(ones, a[kt], one);
-  }
-  wgmma_commit();
 }
 
 template <int N>
@@ -186,10 +156,7 @@ __device__ __forceinline__ void pow2_above(float x, float& log2_out, float& inv_
 // redux on the magnitudes' bits, which order as unsigned integers), relative in fact to the
 // power of two at or above it (pow2_above: exact scaling), with that power's log2 and
 // reciprocal; otherwise the half tiles' largest values, for softmax_tile.
-// BIASED: V as v + 1152 (the magic number's fp16, exact; no subtraction), the bias removed
-// after P V through a column of ones (issue_values_biased).
-template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false,
-          bool BIASED = false>
+template <int STAGES, int COPIES, bool CONVERT = true, bool HALF_SCALES = false>
 struct VWidening {
   using L = MqaLayout<STAGES, COPIES>;  // the stage layout does not depend on TEAMS
   using W = WgLayout<128>;
@@ -216,13 +183,8 @@ struct VWidening {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {  // as multi_wg_tiles.cuh's widen_tile converts a chunk
         const uint32_t u = words[k] ^ 0x80808080u;
-        if constexpr (BIASED) {
-          h[i][2 * k] = prmt(u, kExp1024x4, 0x4140u);
-          h[i][2 * k + 1] = prmt(u, kExp1024x4, 0x4342u);
-        } else {
-          h[i][2 * k] = int8_pair<0x4140u>(u);
-          h[i][2 * k + 1] = int8_pair<0x4342u>(u);
-        }
+        h[i][2 * k] = int8_pair<0x4140u>(u);
+        h[i][2 * k + 1] = int8_pair<0x4342u>(u);
       }
     }
     if (v) {
