@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
       offset[hr] = m[hr] == kNegInf ? kNegInf : m[hr] + (SOFTMAX ? vrh.shift : vr.shift);
+    asm volatile("bar.sync 3, 256;" ::: "memory");  // both loops are done
     if (cw == 1) {
-      asm volatile("bar.sync 3, 256;" ::: "memory");  // team 0's loop is done
 #pragma unroll
       for (int i = 0; i < 64; ++i) merge[i * 128 + t] = o[i];
 #pragma unroll
@@ -199,11 +199,11 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
         merge[(64 + hr) * 128 + t] = offset[hr];
         merge[(66 + hr) * 128 + t] = sums[hr];
       }
-      asm volatile("bar.arrive 5, 256;" ::: "memory");
-      return;
     }
-    asm volatile("bar.arrive 3, 256;" ::: "memory");
+    // Two full barriers, not an arrive and a sync: racecheck reported 204 hazards over the
+    // merge with bar.arrive handing it over (PERF_NOTES v40).
     asm volatile("bar.sync 5, 256;" ::: "memory");
+    if (cw == 1) return;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const float other = merge[(64 + hr) * 128 + t];
