@@ -1,5 +1,6 @@
-// Multi-query decode with an int8 Q K^T (PERF_NOTES v39, v40; a probe, not routed): one query token
-// per sequence, a KV head's whole group (<= 64 heads) as the 64 rows of one warpgroup's wgmma.
+// Multi-query decode with an int8 Q K^T (PERF_NOTES v39, v40; a probe, not routed): one query
+// token per sequence, a KV head's whole group (<= 64 heads) as the 64 rows of one warpgroup's
+// wgmma.
 //
 // Why: the shipped warpgroup kernel (lowlevel_fd/cu/multi_wg.cu) widens every K and V tile to
 // fp16 in shared memory before its wgmmas read them, and that widening, on its loading
@@ -51,8 +52,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   const uint32_t full = shared_address(full_bar), empty = shared_address(empty_bar);
   const uint32_t cfull = shared_address(cfull_bar), cempty = shared_address(cempty_bar);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s)
-      mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, 128);
+    for (int s = 0; s < STAGES; ++s) mbar_init(full + 8 * s, 1), mbar_init(empty + 8 * s, 128);
     for (int s = 0; s < COPIES; ++s) mbar_init(cfull + 8 * s, 128), mbar_init(cempty + 8 * s, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }

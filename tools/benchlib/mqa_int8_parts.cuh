@@ -120,10 +120,10 @@ __device__ __forceinline__ void load_query_s8(uint32_t (&qa)[4][4], float (&row_
 }
 
 // Where the widener leaves a tile's fp16 V scales (relative to the copy's base, like WgLayout's
-// offsets): at kCopyVMax the two half tiles' largest, their log2 and their reciprocals (6
-// floats), then lane c's 16 scales of columns 8 j + 2 c + e at [c][2 j + e], each relative to
-// its half tile's largest (j < 4: tokens 0 .. 31), rows of 48 bytes (16 scales, 8 bytes
-// against conflicts).
+// offsets): at kCopyVMax the two half tiles' largest |V scale|, then the log2 and reciprocal
+// of the power of two at or above each (6 floats); then lane c's 16 scales of columns
+// 8 j + 2 c + e at [c][2 j + e], each relative to its half tile's power (j < 4: tokens 0 .. 31),
+// rows of 48 bytes (16 scales, 8 bytes against conflicts).
 struct HalfScales {
   using W = WgLayout<128>;
   static constexpr int kVTop = W::kCopyVMax;
@@ -189,7 +189,8 @@ struct VWidening {
     }
     if (v) {
       if constexpr (HALF_SCALES) {
-        top = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(scale) & 0x7fffffffu));
+        top = __uint_as_float(
+            __reduce_max_sync(0xffffffffu, __float_as_uint(scale) & 0x7fffffffu));
         pow2_above(top, lht, inv);
         scale_half = pack2<f16>(scale * inv, 0.f);  // exact but for fp16's rounding
       } else {

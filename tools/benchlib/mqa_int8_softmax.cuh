@@ -6,26 +6,27 @@
 // front of every exponential, then spends one FMUL (the V scale) and one FADD (the sum) per
 // score in fp32. P only ever feeds an fp16 MMA, so:
 // - Optimistic maxima (FA4's lazy rescale taken further): a tile's exponentials use the rows'
-//   current maxima. Only when a lane's row sum exceeds kSumCap (or is not finite) does its
+//   current maxima. Only when a lane's half-row sum exceeds kSumCap (or is not finite) does its
 //   warp find the maxima (softmax_tile's tree, shuffles and lazy rule) and exponentiate
 //   again. Once the running maxima settle that is rare, and the check reads the sums, which
 //   are needed anyway.
-// - The V scales arrive as fp16 pairs relative to the tile's largest (the widener writes them,
-//   with log2 of that largest and its reciprocal): one HMUL2 per pair of packed P applies
-//   them, and the exponent carries the tile's largest relative to the running one (VRefH).
-// - The row sums add the packed pairs (7 HADD2 per row), then one FFMA into l.
+// - The V scales arrive as fp16 pairs relative to a power of two at or above their half tile's
+//   largest (the widener writes them, with that power's log2 and reciprocal: HalfScales): one
+//   HMUL2 per pair of packed P applies them, and the exponent carries the half tile's power
+//   relative to the running one (VRefH).
+// - The row sums add the packed pairs (3 HADD2 per half row), then one FFMA per half into l.
 // (ex2.approx.f16x2 was tried first: ptxas splits it into two MUFU.EX2.F16 and a PRMT.)
 #pragma once
 #include "mqa_int8_parts.cuh"
 
 namespace llfd {
 
-// The running reference of the V scales (softmax_tile's VRef, a power of two here, with its
-// reciprocal): O and l are kept in units of 2^-shift. V scales must be normal floats or zero.
-// A lane's row sum of 16 exponentials in the fast path at most 2^12: every P <= 2^12, and
-// the sum in fp16 is finite.
+// A lane's half-row sums (8 exponentials each) at most 2^12 in the fast path: every P <= 2^12,
+// and the sums in fp16 are finite.
 constexpr float kSumCap = 4096.f;
 
+// The running reference of the V scales (softmax_tile's VRef, a power of two here, with its
+// reciprocal): O and l are kept in units of 2^-shift. V scales must be normal floats or zero.
 struct VRefH {
   float top = 0.f;    // the largest |V scale| seen (0: none yet)
   float shift = 0.f;  // log2 of the power of two at or above top (pow2_above), 0 while top is 0
