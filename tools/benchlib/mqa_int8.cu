@@ -58,14 +58,14 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   }
   __syncthreads();
   auto copy_of = [&](int j) __attribute__((always_inline)) {
-    return smem + L::kCopy0 + (j % COPIES) * L::kCopySpan - W::kCopyV;
+    return smem + L::kCopy0 + slot<COPIES>(j) * L::kCopySpan - W::kCopyV;
   };
 
   if (wg == 0) {
     if constexpr (TEAMS == 2) set_max_registers<72>();
     const int row = b * p.num_kv_heads + kvh, tid = threadIdx.x;
     auto issue = [&](int t) __attribute__((always_inline)) {  // thread 0
-      const int s = t % STAGES;
+      const int s = slot<STAGES>(t);
       const uint32_t stage = base + s * L::kStageBytes, bar = full + 8 * s;
       mbar_expect(bar, L::kTx);
       tma_3d(stage + L::kK, &maps.k, 0, 64 * t, row, bar);
@@ -80,17 +80,17 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     for (int j = 0; j < tiles; ++j) {
       // The stage of tile j - 1 (its V widened last step) refills once its S has read K.
       if (tid == 0 && j >= 1 && j - 1 + STAGES < tiles) {
-        mbar_wait(empty + 8 * ((j - 1) % STAGES), ((j - 1) / STAGES) & 1);
+        mbar_wait(empty + 8 * slot<STAGES>(j - 1), lap<STAGES>(j - 1));
         issue(j - 1 + STAGES);
       }
-      const int s = j % STAGES;
-      mbar_wait(full + 8 * s, (j / STAGES) & 1);
+      const int s = slot<STAGES>(j);
+      mbar_wait(full + 8 * s, lap<STAGES>(j));
       VWidening<STAGES, COPIES, !(CONTROL & 1), SOFTMAX == 1> widened;
       widened.load(smem + s * L::kStageBytes, 64 * j, len, tid);  // in registers meanwhile
-      if (j >= COPIES) mbar_wait(cempty + 8 * (j % COPIES), (j / COPIES - 1) & 1);
+      if (j >= COPIES) mbar_wait(cempty + 8 * slot<COPIES>(j), lap<COPIES>(j) ^ 1u);
       widened.store(copy_of(j), tid);
       fence_proxy_async();
-      mbar_arrive(cfull + 8 * (j % COPIES));
+      mbar_arrive(cfull + 8 * slot<COPIES>(j));
       asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
     }
     allow_next_grid();
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
   uint32_t a[4][4], a_next[4][4];
   KScales<128, true> ks;
   auto stage_k = [&](int j) __attribute__((always_inline)) {
-    return base + (j % STAGES) * L::kStageBytes + L::kK;
+    return base + slot<STAGES>(j) * L::kStageBytes + L::kK;
   };
   auto softmax = [&](int j, uint32_t (&p_out)[4][4]) __attribute__((always_inline)) {
 #pragma unroll
@@ -134,13 +134,13 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
                               col0 + 64 > len, col0, visible, c);
   };
   if (cw < tiles) {
-    mbar_wait(full + 8 * (cw % STAGES), (cw / STAGES) & 1);
+    mbar_wait(full + 8 * slot<STAGES>(cw), lap<STAGES>(cw));
     wgmma_fence();
     issue_scores_s8(si, qa, stage_k(cw));
     wgmma_wait<0>();
     fence_ints(si);
-    mbar_arrive(empty + 8 * (cw % STAGES));
-    mbar_wait(cfull + 8 * (cw % COPIES), (cw / COPIES) & 1);
+    mbar_arrive(empty + 8 * slot<STAGES>(cw));
+    mbar_wait(cfull + 8 * slot<COPIES>(cw), lap<COPIES>(cw));
     ks.load(copy_of(cw), c);
     softmax(cw, a);
   }
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       __attribute__((always_inline)) {
     const int next = j + TEAMS;
     const bool more = next < tiles;
-    if (more) mbar_wait(full + 8 * (next % STAGES), (next / STAGES) & 1);
+    if (more) mbar_wait(full + 8 * slot<STAGES>(next), lap<STAGES>(next));
     rescale_rows(o, corr);
     wgmma_fence();
     issue_scores_s8(si, qa, stage_k(next));
@@ -160,14 +160,14 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     wgmma_wait<1>();
     fence_ints(si);
     if (more) {
-      mbar_arrive(empty + 8 * (next % STAGES));
-      mbar_wait(cfull + 8 * (next % COPIES), (next / COPIES) & 1);
+      mbar_arrive(empty + 8 * slot<STAGES>(next));
+      mbar_wait(cfull + 8 * slot<COPIES>(next), lap<COPIES>(next));
       ks.load(copy_of(next), c);
       softmax(next, nxt);
     }
     wgmma_wait<0>();
     fence_operands(o);
-    mbar_arrive(cempty + 8 * (j % COPIES));
+    mbar_arrive(cempty + 8 * slot<COPIES>(j));
   };
 #pragma unroll 1
   for (int j = cw; j < tiles; j += 2 * TEAMS) {

@@ -36,6 +36,18 @@ struct MqaLayout {
   static_assert(kCopySpan % 1024 == 0 && kCopy0 >= W::kCopyV, "aligned copies in the window");
 };
 
+// Tile j's slot in a ring of N and the parity of its lap around it. Tile indices are never
+// negative: unsigned arithmetic spares signed division's fix-ups (four uniform instructions
+// per use, on every tile step).
+template <int N>
+__device__ __forceinline__ int slot(int j) {
+  return static_cast<int>(static_cast<unsigned>(j) % N);
+}
+template <int N>
+__device__ __forceinline__ uint32_t lap(int j) {
+  return (static_cast<unsigned>(j) / N) & 1u;
+}
+
 // D[64 x 64] (+)= A[64 x 32] B[64 x 32]^T in int32: A s8 in registers (this lane: row g bytes
 // 4c .. 4c + 3 and 16 + 4c .., then row g + 8's), B s8 K-major in shared memory.
 template <bool FIRST>
