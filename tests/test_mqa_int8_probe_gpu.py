@@ -1,8 +1,8 @@
 """The int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39, v40)
 against the float64 oracle with q rounded as the kernel rounds it: groups that fill and do
 not fill the 64 rows, one and two KV heads, lengths on both sides of the 64-token tiles, an
-empty row, shallow and deep rings, one computing warpgroup and two, both softmaxes, and V and K
-scales across their range. Its timings are tools/probe_mqa_int8.py's."""
+empty row, shallow and deep rings, one computing warpgroup and two, both softmaxes, V and K
+scales across their range, and rows of 16K tokens. Its timings are tools/probe_mqa_int8.py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -87,3 +87,24 @@ def test_mqa_int8_probe_follows_scales_across_their_range(softmax):
         err = np.abs(out[b] - ref8[b]).max() / np.abs(ref8[b]).max()
         assert err <= result["tolerance"], (b, err)
     assert np.all(out[3] == 0)
+
+
+@pytest.mark.parametrize("softmax", [0, 1])
+def test_mqa_int8_probe_holds_its_error_over_long_rows(softmax):
+    """16K tokens: an error that grows with the row's length (an fp32 accumulator carrying a
+    large term beside the signal, PERF_NOTES v40's rejected bias) shows here, not at 1K."""
+    from benchlib.mqa_int8 import MqaBench, MqaVariant
+    from benchlib.timing import WorkloadBench
+    from benchlib.workloads import Workload
+
+    from lowlevel_fd.driver import Device, Stream
+    device, stream = Device(0), Stream()
+    work = Workload(2, 16384, num_q_heads=64, num_kv_heads=1)
+    bench = WorkloadBench(work, 1, device, stream, seed=7)
+    try:
+        bench.layers.set_lengths([16384, 9999])
+        result = MqaBench(bench, MqaVariant(4, 4, 2, 0, softmax)).check()
+    finally:
+        bench.close()
+    assert result["non_finite"] == 0, result
+    assert result["err_q8"] <= result["tolerance"], result
