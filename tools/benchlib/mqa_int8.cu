@@ -24,6 +24,10 @@
 
 namespace llfd {
 
+// The softmax's V reference: softmax_tile's VRef, or softmax_h16's VRefH.
+template <int SOFTMAX> struct SoftmaxRef { using type = VRef; };
+template <> struct SoftmaxRef<1> { using type = VRefH; };
+
 // CONTROL (timing controls, outputs wrong; 0 ships in every test): bit 0 skips V's widening
 // (the scales are still copied), bit 1 the softmax (P stays as it was). SOFTMAX: 0 multi_wg's
 // softmax_tile, 1 mqa_int8_softmax.cuh's softmax_h16 (its V scales written by the widener).
@@ -109,8 +113,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
-  VRef vr;
-  VRefH vrh;
+  typename SoftmaxRef<SOFTMAX>::type vr;
   int si[32];
   float s[32];
   uint32_t a[4][4], a_next[4][4];
@@ -127,7 +130,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
       return;
     }
     if constexpr (SOFTMAX == 1)
-      softmax_h16(s, p_out, m, l, vrh, corr, row_const, ks, copy_of(j), col0 + 64 > len, col0,
+      softmax_h16(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j), col0 + 64 > len, col0,
                   visible, c);
     else
       softmax_tile<128, true>(s, p_out, m, l, vr, corr, row_const, ks, copy_of(j),
@@ -189,7 +192,7 @@ __global__ void __launch_bounds__(128 * (1 + TEAMS), 1)
     float offset[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
-      offset[hr] = m[hr] == kNegInf ? kNegInf : m[hr] + (SOFTMAX ? vrh.shift : vr.shift);
+      offset[hr] = m[hr] == kNegInf ? kNegInf : m[hr] + vr.shift;
     asm volatile("bar.sync 3, 256;" ::: "memory");  // both loops are done
     if (cw == 1) {
 #pragma unroll
