@@ -98,3 +98,22 @@ def multi_token_attention_ref(
             out[first + i], lse[first + i] = _softmax_attention(
                 q64[first + i], k_row[:, tokens], v_row[:, tokens], scale)
     return out, lse
+
+
+def int8_query_rows(q: np.ndarray) -> np.ndarray:
+    """q as the int8-q kernel (MultiPlan ``allow_int8_q``) uses it, per row of the last axis
+    (after RoPE and the Hadamard transform where the kernel applies them): the row in fp16
+    scaled by the power of two that puts its largest magnitude in [2^14, 2^15), then
+    ``int8 = rint(x * inv)`` clamped to +-127 with ``inv = 127 / max|x|`` and the row's scale
+    ``1 / inv``, all in fp32. Returned dequantized (float64); a zero row stays zero."""
+    x = np.asarray(q, np.float32)
+    top = np.abs(x).max(axis=-1, keepdims=True)
+    _, exponent = np.frexp(top)  # top = m 2^e, m in [0.5, 1): floor(log2 top) = e - 1
+    up = np.where(top > 0, np.exp2(15.0 - exponent), 1.0)
+    y = (x * up.astype(np.float32)).astype(np.float16).astype(np.float32)
+    top_y = np.abs(y).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(top_y > 0, np.float32(127) / top_y, np.float32(0)).astype(np.float32)
+        step = np.where(inv > 0, np.float32(1) / inv, np.float32(0)).astype(np.float32)
+    steps = np.rint((y * inv).astype(np.float32)).clip(-127, 127)
+    return steps.astype(np.float64) * step.astype(np.float64) / up

@@ -104,7 +104,7 @@ class DecodeStep:
     def __init__(self, cache: KVCacheSpec, num_layers: int, num_q_heads: int, *,
                  max_batch: int, max_seq_len: int, dtype: str = "float16",
                  sm_scale: float | None = None, fused: bool = True, early_reads: bool = True,
-                 device: Device | None = None) -> None:
+                 device: Device | None = None, allow_int8_q: bool = False) -> None:
         self.cache = cache_spec(cache)
         self.num_layers = check.positive("num_layers", num_layers)
         self.fused = check.flag("fused", fused)
@@ -113,7 +113,7 @@ class DecodeStep:
         device = check.device_option(device)  # the plans share it
         self.attention = DecodePlan(self.cache, num_q_heads, max_batch=max_batch,
                                     max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale,
-                                    device=device)
+                                    device=device, allow_int8_q=allow_int8_q)
         self.append = None if fused else AppendPlan(self.cache, num_q_heads,
                                                     max_batch=max_batch, dtype=dtype,
                                                     device=device)
@@ -131,13 +131,13 @@ class DecodeStep:
                page_size: int | None = None, key_transform: str = "none",
                sm_scale: float | None = None,
                fused: bool = True, early_reads: bool = True,
-               device: Device | None = None) -> "DecodeStep":
+               device: Device | None = None, allow_int8_q: bool = False) -> "DecodeStep":
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
                            rope_theta, page_size=page_size, key_transform=key_transform)
         return cls(spec, num_layers, num_q_heads, max_batch=max_batch, max_seq_len=max_seq_len,
                    dtype=dtype, sm_scale=sm_scale, fused=fused, early_reads=early_reads,
-                   device=device)
+                   device=device, allow_int8_q=allow_int8_q)
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Any) -> "DecodeStep":

@@ -9,6 +9,7 @@ import numpy as np
 from lowlevel_fd.decode import DecodePlan, TileConfig
 from lowlevel_fd.driver import DeviceArray, dtypes
 from lowlevel_fd.reference import decode_attention_ref
+from lowlevel_fd.reference_multi import int8_query_rows
 
 # fp16 output rounding is 2^-11 of an element and P is rounded to fp16 once: 2e-3 of max|ref|
 # holds with margin. bf16 keeps 8 significant bits, so rounding the output alone costs up to
@@ -28,6 +29,7 @@ class Case:
     scale_mode: str = "token"
     scale_dtype: str = "float32"
     dtype: str = "float16"  # of q and out (the plans' ``dtype``)
+    int8_q: bool = False  # the oracle rounds q as the int8-q kernel does (int8_query_rows)
     host: dict[str, np.ndarray] = field(default_factory=dict)
     device: dict[str, DeviceArray] = field(default_factory=dict)
 
@@ -105,7 +107,8 @@ class Case:
 
     def reference(self, sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         h = self.host
-        return decode_attention_ref(h["q"].astype(np.float32), h["k"], h["v"], h["k_scale"],
+        q = h["q"].astype(np.float32)
+        return decode_attention_ref(int8_query_rows(q) if self.int8_q else q, h["k"], h["v"], h["k_scale"],
                                     h["v_scale"], h["seq_lens"], kv_layout=self.kv_layout,
                                     scale_mode=self.scale_mode, sm_scale=sm_scale)
 

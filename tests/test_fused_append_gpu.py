@@ -16,6 +16,7 @@ from lowlevel_fd.decode import TileConfig
 from lowlevel_fd.driver import DeviceArray, capture, dtypes
 from lowlevel_fd.quant import hadamard_rows
 from lowlevel_fd.reference import decode_attention_ref, rope_table
+from lowlevel_fd.reference_multi import int8_query_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -116,6 +117,8 @@ class Fused:
         # (round_query; the multi-token route keeps it in fp16 scaled per row instead).
         q_used = (q_rot.astype(dtypes.as_dtype(c.dtype)).astype(np.float32) if self.round_query
                   else q_rot.astype(np.float32))
+        if c.int8_q:  # the int8-q kernel's rounding of the rotated row
+            q_used = int8_query_rows(q_used)
         out, lse = decode_attention_ref(q_used, mirror["k"], mirror["v"], mirror["k_scale"],
                                         mirror["v_scale"], self.attended(),
                                         kv_layout=c.kv_layout, scale_mode=c.scale_mode)

@@ -418,12 +418,18 @@ def test_shipped_variants_cover_the_matrix():
     from lowlevel_fd.multi.variants import MultiVariant
     variants = [v for v in shipped_variants() if isinstance(v, MultiVariant)]
     keys = {(v.head_dim, v.dtype, v.scale_mode, v.scale_dtype, v.paged, v.ksplit, v.wgmma,
-             v.wg_rows) for v in variants}
+             v.wg_rows, v.int8_q) for v in variants}
     # mma.sync: 3 head dims x 2 dtypes x 4 scale configurations x 2 storages x 2 KSPLITs;
-    # wgmma: head_dim 64 and 128 x 2 x 4 x 2, CTAs of 128 and of 64 rows
-    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2 * 2
+    # wgmma: head_dim 64 and 128 x 2 x 4 x 2, CTAs of 128 and of 64 rows; int8 q: 2 x 2
+    assert len(keys) == len(variants) == 3 * 2 * 4 * 2 * 2 + 2 * 2 * 4 * 2 * 2 + 2 * 2
     for v in variants:
         assert v.shared_bytes <= 227 * 1024
+        if v.int8_q:
+            assert (v.head_dim, v.scale_mode, v.paged, v.rows_per_cta, v.threads,
+                    v.tile_tokens, v.source) == (128, "token", False, 64, 384, 64, "multi_q8.cu")
+            assert re.fullmatch(r"llfd::multi_attend_q8<llfd::(f16|bf16), (float|uint16_t)>",
+                                v.kernel)
+            continue
         if v.wgmma:
             # 128 rows: a loading warpgroup and two computing ones; 64: one that does both
             assert v.rows_per_cta == v.wg_rows

@@ -121,12 +121,14 @@ class CreatedFromOptions:
                scale_mode: str = "token", scale_dtype: str = "float32",
                rope: str | None = None, rope_theta: float = 10000.0,
                page_size: int | None = None, key_transform: str = "none",
-               sm_scale: float | None = None, device: Any = None) -> Any:
+               sm_scale: float | None = None, device: Any = None,
+               allow_int8_q: bool = False) -> Any:
         """The keyword form: builds the KVCacheSpec from the cache options."""
         spec = KVCacheSpec(num_kv_heads, head_dim, kv_layout, scale_mode, scale_dtype, rope,
                            rope_theta, page_size=page_size, key_transform=key_transform)
         return cls(spec, num_q_heads, max_batch=max_batch,  # type: ignore[call-arg]
-                   max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale, device=device)
+                   max_seq_len=max_seq_len, dtype=dtype, sm_scale=sm_scale, device=device,
+                   allow_int8_q=allow_int8_q)
 
 
 def cache_spec(cache: Any) -> KVCacheSpec:

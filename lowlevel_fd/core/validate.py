@@ -30,6 +30,17 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+def int8_q_option(value: Any, spec: Any) -> bool:
+    """A plan's ``allow_int8_q``: a bool, True only over Hadamard-transformed keys (q's
+    rounding to int8 measured harmless there, 0.35 points of top-1 without: PERF_NOTES v29)."""
+    flag("allow_int8_q", value)
+    if value and spec.key_transform != "hadamard":
+        raise ValueError(f"allow_int8_q: q in int8 needs key_transform='hadamard' (measured "
+                         f"harmless there, not without), got key_transform="
+                         f"{spec.key_transform!r}")
+    return value
+
+
 def positive(name: str, value: Any, limit: int = 2**31) -> int:
     """``value`` as an int in [1, limit)."""
     number = integer(name, value)

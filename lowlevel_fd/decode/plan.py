@@ -32,12 +32,15 @@ class DecodePlan(OnCache, CreatedFromOptions):
     natural logarithm (FlashInfer's is base 2). ``dtype`` is that of q, out and the new K/V
     rows (fp16 or bf16). A group of 16 query heads or more over a large KV (planner rule 8)
     runs ``run`` on the multi-token kernel (``describe()["backend"]``), with the same contract.
+    ``allow_int8_q`` (Hadamard keys only) lets that route quantize q per row to int8 for
+    ``q K^T`` (``describe()["multi"]["int8_q"]``; README, "q in int8").
     """
 
     def __init__(self, cache: KVCacheSpec, num_q_heads: int, *, max_batch: int,
                  max_seq_len: int, dtype: str = "float16", sm_scale: float | None = None,
-                 device: Device | None = None) -> None:
+                 device: Device | None = None, allow_int8_q: bool = False) -> None:
         self.cache = cache_spec(cache)
+        self.allow_int8_q = check.int8_q_option(allow_int8_q, self.cache)
         self.group_size = self.cache.group_size(num_q_heads)
         self.num_q_heads = int(num_q_heads)
         # The group in CTAs (set by plan()): cta_heads (the kernel's GROUP) query heads each,
@@ -60,7 +63,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
         self._description: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, close_all, self._workspace)
         self._route = MultiRoute(self.cache, self.num_q_heads, self.max_batch, self.max_seq_len,
-                                 self.dtype, self.sm_scale, self.device)
+                                 self.dtype, self.sm_scale, self.device, self.allow_int8_q)
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Any, *, config: TileConfig | None = None,

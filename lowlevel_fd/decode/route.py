@@ -60,9 +60,10 @@ class MultiRoute:
     plans, closed with the DecodePlan)."""
 
     def __init__(self, cache: KVCacheSpec, num_q_heads: int, max_batch: int, max_seq_len: int,
-                 dtype: str, sm_scale: float, device: Device) -> None:
+                 dtype: str, sm_scale: float, device: Device, allow_int8_q: bool = False) -> None:
         self.cache, self.max_batch, self.max_seq_len = cache, max_batch, max_seq_len
         self._options = dict(dtype=dtype, device=device)
+        self._allow_int8_q = allow_int8_q
         self._heads, self._sm_scale = num_q_heads, sm_scale
         self.plan: MultiPlan | None = None
         self.append: AppendPlan | None = None
@@ -83,7 +84,7 @@ class MultiRoute:
             self.plan = MultiPlan(self.cache, self._heads,
                                   max_batch=min(self.max_batch, MAX_MULTI_BATCH),
                                   max_seq_len=self.max_seq_len, sm_scale=self._sm_scale,
-                                  **self._options)
+                                  allow_int8_q=self._allow_int8_q, **self._options)
         self.plan.plan(None, lengths, causal=False)
         if not append:
             return

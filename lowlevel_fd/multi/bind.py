@@ -8,6 +8,7 @@ repeats the last validated arrays (pointers, shapes, strides, dtypes) skips the 
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from ..core import validate as check
 from ..core.binding import check_cache, rope_table, wrap_cache, write_cache_fields
 from ..core.spec import KVCacheSpec
 from ..driver import Device, DeviceArray
+from .maps import Q8Maps, encode_q8_maps
 from .params import MultiParams
 
 
@@ -66,19 +68,20 @@ class MultiBinder:
     def __init__(self, spec: KVCacheSpec, num_q_heads: int, dtype: str, device: Device) -> None:
         self.spec, self.num_q_heads, self.dtype, self.device = spec, num_q_heads, dtype, device
         self.batch = self.total_q = self.longest = self.longest_chunk = 0
-        self.tree = self.decode_rows = False
+        self.tree = self.decode_rows = self.int8_q = False
         self._validated: tuple = ()
+        self._maps: tuple[tuple, Q8Maps] | None = None  # the last cache's, by its key
 
     def planned(self, batch: int, total_q: int, longest: int, longest_chunk: int,
-                tree: bool = False, decode_rows: bool = False) -> None:
+                tree: bool = False, decode_rows: bool = False, int8_q: bool = False) -> None:
         self.batch, self.total_q, self.longest = batch, total_q, longest
         self.longest_chunk, self.tree, self._validated = longest_chunk, tree, ()
-        self.decode_rows = decode_rows
+        self.decode_rows, self.int8_q = decode_rows, int8_q
 
     def bind(self, p: MultiParams, q: Any, k_cache: Any, v_cache: Any, k_scale: Any,
              v_scale: Any, seq_lens: Any, qo_indptr: Any, out: Any, lse: Any,
              block_table: Any, cos_sin: Any, rotate_q: bool, tree_mask: Any = None,
-             appended: bool = False) -> None:
+             appended: bool = False, maps: Q8Maps | None = None) -> None:
         wrap, device = check.device_array, self.device
         check.flag("appended", appended)
         if appended and not self.decode_rows:
@@ -105,6 +108,15 @@ class MultiBinder:
         if key != self._validated:
             self._check(own, cache, rotate_q, cos_sin)
             self._validated = key
+        if self.int8_q:  # the int8-q kernel's tensor maps, encoded once per cache
+            assert maps is not None
+            cache_key = tuple((a.ptr, a.shape, a.strides) for a in cache[:2])
+            if self._maps is None or self._maps[0] != cache_key:
+                encoded = Q8Maps()
+                encode_q8_maps(encoded, self.spec, cache)
+                self._maps = (cache_key, encoded)
+            ctypes.memmove(ctypes.addressof(maps), ctypes.addressof(self._maps[1]),
+                           ctypes.sizeof(Q8Maps))
         q_arr, out_arr, lengths, indptr, lse_arr, table, tree = own
         item = q_arr.itemsize
         p.q, p.out, p.seq_lens = q_arr.ptr, out_arr.ptr, lengths.ptr

@@ -16,9 +16,10 @@ from ..core.support import DTYPES
 from ..driver import Device, DeviceArray, LaunchConfig, PreparedLaunch
 from ..driver.stream import StreamLike
 from .bind import MultiBinder, host_queries
+from .maps import Q8Maps
 from .params import MultiParams
-from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_ksplit, choose_merge,
-                      choose_splits, choose_wg_rows)
+from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_int8_q, choose_ksplit,
+                      choose_merge, choose_splits, choose_wg_rows, int8_q_unable)
 from .prepared import PreparedRun
 from .variants import WG_ROWS, CombineVariant, MultiVariant, ksplits, wgmma_available
 
@@ -41,12 +42,17 @@ class MultiPlan(OnCache, CreatedFromOptions):
     Decode rows (``qo_indptr=None`` in both): one query row per sequence, row b of q for
     sequence b, over its ``seq_lens[b]`` tokens; a sequence with none gets out 0 and lse -inf
     and raises no flag, as in DecodePlan (which runs its many-head groups this way).
+
+    ``allow_int8_q``: decode rows may run with q quantized per row to int8 for ``q K^T``
+    (``plan(int8_q=)``; the README's "q in int8" says where and what it costs). Only with
+    ``key_transform="hadamard"``.
     """
 
     def __init__(self, cache: KVCacheSpec, num_q_heads: int, *, max_batch: int,
                  max_seq_len: int, dtype: str = "float16", sm_scale: float | None = None,
-                 device: Device | None = None) -> None:
+                 device: Device | None = None, allow_int8_q: bool = False) -> None:
         self.cache = cache_spec(cache)
+        self.allow_int8_q = check.int8_q_option(allow_int8_q, self.cache)
         self.group_size = self.cache.group_size(num_q_heads)
         self.num_q_heads = int(num_q_heads)
         self.max_batch = check.positive("max_batch", max_batch, MAX_GRID_Z + 1)
@@ -58,6 +64,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._binder = MultiBinder(self.cache, self.num_q_heads, self.dtype, self.device)
         self._workspace: dict[str, Any] = {}
         self._params = MultiParams()
+        self._maps = Q8Maps()  # the int8-q kernel's second argument (bound by run)
         self._launch: PreparedLaunch | None = None
         self._combine: PreparedLaunch | None = None  # multi_combine (merge "kernel")
         self._grid = (0, 0, 0)
@@ -70,7 +77,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
              num_splits: int | None = None, ksplit: int | None = None,
              tree: bool = False, wgmma: bool | None = None,
              wg_rows: int | None = None, cluster: bool | None = None,
-             combine: bool | None = None) -> "MultiPlan":
+             combine: bool | None = None, int8_q: bool | None = None) -> "MultiPlan":
         """Cut the launch for these host copies of ``qo_indptr`` ([B + 1], from 0, or None:
         decode rows) and ``seq_lens`` ([B]); load the kernel (compiled once per process), size
         the workspace. ``num_splits`` overrides the planner's KV splits per row tile (1 .. 32), ``ksplit``
@@ -86,7 +93,10 @@ class MultiPlan(OnCache, CreatedFromOptions):
         the clustered grid as well as the plain one (``describe()["cluster"]``). ``combine``:
         splits not merged in a cluster are merged by a second kernel (True or None, the
         default; True also forbids the cluster) or by the last split of each row tile to
-        finish (False); ``describe()["merge"]`` says which, ``"launches"`` how many."""
+        finish (False); ``describe()["merge"]`` says which, ``"launches"`` how many.
+        ``int8_q`` (a plan made with ``allow_int8_q=True``): run the int8-q kernel (True:
+        ValueError where it cannot serve the plan), never (False), or (None) for decode rows of
+        16 to 64 query heads per KV head wherever it can (``describe()["int8_q"]``)."""
         self._require_open()
         check.flag("causal", causal)
         check.flag("tree", tree)
@@ -99,6 +109,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
             if combine and cluster:
                 raise ValueError("combine: the merge kernel and the cluster merge exclude each "
                                  "other, got combine=True with cluster=True")
+        if int8_q is not None:
+            check.flag("int8_q", int8_q)
         if num_splits is not None:  # checked before anything is compiled or loaded
             num_splits = check.positive("num_splits", num_splits, MAX_SPLITS + 1)
         qo_lens, lengths = host_queries(qo_indptr, seq_lens, self.max_batch, self.max_seq_len)
@@ -107,13 +119,17 @@ class MultiPlan(OnCache, CreatedFromOptions):
         if ksplit is not None and ksplit not in allowed:
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
                              f"{' with tree=True' if tree else ''}, got {ksplit!r}")
-        use_wgmma, wg_rows = self._wgmma_choice(
-            wgmma, wg_rows, ksplit, tree, int(qo_lens.max()) * self.group_size,
-            int(np.count_nonzero(qo_lens)) * self.num_kv_heads)
+        rows = int(qo_lens.max()) * self.group_size
+        use_int8_q = choose_int8_q(int8_q, self.allow_int8_q,
+                                   int8_q_unable(self.device.arch, self.cache, decode_rows,
+                                                 tree, ksplit, wgmma, wg_rows), rows)
+        use_wgmma, wg_rows = (False, 128) if use_int8_q else self._wgmma_choice(
+            wgmma, wg_rows, ksplit, tree, rows, int(np.count_nonzero(qo_lens)) * self.num_kv_heads)
         if ksplit is None:
-            ksplit = (allowed[-1] if tree else 1 if use_wgmma else
+            ksplit = (allowed[-1] if tree else 1 if use_wgmma or use_int8_q else
                       choose_ksplit(qo_lens, self.group_size, self.head_dim))
-        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma, wg_rows)
+        self.variant = MultiVariant.planned(self.cache, self.dtype, ksplit, use_wgmma, wg_rows,
+                                            use_int8_q)
         threads = self.variant.threads
         work = MultiWorkload(qo_lens, lengths, self.group_size, self.num_kv_heads,
                              self.variant.tile_tokens, self.variant.rows_per_cta)
@@ -126,7 +142,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
             splits = num_splits
         batch, total_q, tiles = int(qo_lens.size), int(qo_lens.sum()), work.max_tiles
         slots = batch * self.num_kv_heads * tiles
-        rows = self.variant.rows_per_cta
+        cta_rows = self.variant.rows_per_cta
         self._grid = (tiles * self.num_kv_heads, splits, batch)
         check.int32_count("qo_indptr", self._grid[0], "row tiles x KV heads (grid.x)")
         # The kernels wait for the previous kernel themselves (early_reads, run): on sm_90
@@ -134,14 +150,15 @@ class MultiPlan(OnCache, CreatedFromOptions):
         # launch overlapping that kernel's tail.
         programmatic = self.device.compute_capability >= (9, 0)
         clustered = choose_cluster(
-            False if combine else cluster, "warpgroup" if use_wgmma else "mma.sync",
+            False if combine else cluster,
+            "warpgroup" if use_wgmma else "int8-q" if use_int8_q else "mma.sync",
             self.device.arch, programmatic, splits, slots * splits,
             self.device.sm_count * ctas_per_sm,
             lambda: kernel.max_active_clusters(LaunchConfig(self._grid, threads, shared,
                                                             cluster=(1, splits, 1))))
         merge = choose_merge(combine, clustered, splits)
         partials = merge in ("kernel", "last split")  # the cluster keeps them in shared memory
-        self._ensure_workspace(slots * splits * rows if partials else 0, slots)
+        self._ensure_workspace(slots * splits * cta_rows if partials else 0, slots)
         p = self._params
         ws = self._workspace
         p.partial_out, p.partial_lse = ws["partial_out"].ptr, ws["partial_lse"].ptr
@@ -155,7 +172,8 @@ class MultiPlan(OnCache, CreatedFromOptions):
         p.combine = (1 + (ctas_per_sm == 1)) if merge == "kernel" else 0
         self._launch = kernel.prepare(
             LaunchConfig(self._grid, threads, shared, programmatic=programmatic,
-                         cluster=(1, splits, 1) if clustered else None), p)
+                         cluster=(1, splits, 1) if clustered else None),
+            p, *((self._maps,) if use_int8_q else ()))
         self._combine = None
         if merge == "kernel":
             combiner = CombineVariant.of(self.variant)
@@ -164,12 +182,13 @@ class MultiPlan(OnCache, CreatedFromOptions):
                              programmatic=programmatic), p)
         self._generation += 1
         self._binder.planned(batch, total_q, int(lengths.max()), int(qo_lens.max()), tree,
-                             decode_rows)
+                             decode_rows, use_int8_q)
         self._description = {
             "batch": batch, "total_q": total_q, "causal": causal, "grid": self._grid,
             "decode_rows": decode_rows,
-            "block": threads, "rows_per_cta": rows, "ksplit": ksplit, "tree": tree,
+            "block": threads, "rows_per_cta": cta_rows, "ksplit": ksplit, "tree": tree,
             "wgmma": use_wgmma, "wg_rows": wg_rows if use_wgmma else None,
+            "int8_q": use_int8_q,
             "max_tiles": tiles,
             "num_splits": splits, "min_split_tokens": min_tokens, "cluster": clustered,
             "merge": merge, "launches": 1 + (merge == "kernel"),
@@ -266,7 +285,7 @@ class MultiPlan(OnCache, CreatedFromOptions):
         self._require_planned()
         self._binder.bind(self._params, q, k_cache, v_cache, k_scale, v_scale, seq_lens,
                           qo_indptr, out, lse, block_table, cos_sin, rotate_q, tree_mask,
-                          appended)
+                          appended, self._maps)
         self._params.early_reads = int(early_reads)
         if self._binder.total_q:
             self._launch.launch(stream)  # type: ignore[union-attr]
@@ -283,10 +302,11 @@ class MultiPlan(OnCache, CreatedFromOptions):
         check.flag("early_reads", early_reads)
         self._require_planned()
         params = MultiParams.from_buffer_copy(self._params)
+        maps = Q8Maps.from_buffer_copy(self._maps)
         self._binder.bind(params, q, k_cache, v_cache, k_scale, v_scale, seq_lens, qo_indptr,
-                          out, lse, block_table, cos_sin, rotate_q, tree_mask, appended)
+                          out, lse, block_table, cos_sin, rotate_q, tree_mask, appended, maps)
         params.early_reads = int(early_reads)
-        return PreparedRun(self, params, self._binder.total_q > 0)
+        return PreparedRun(self, params, maps, self._binder.total_q > 0)
 
     # -- introspection and lifetime -----------------------------------------------------------
     def describe(self) -> dict[str, Any]:

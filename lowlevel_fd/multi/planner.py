@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..core.spec import KVCacheSpec
+
 MAX_SPLITS = 32       # kMultiMaxSplits in multi.cu
 # The warpgroup kernels' splits of a row tile merge inside a thread-block cluster through
 # distributed shared memory (multi_cluster.cuh) when they are 2 .. MAX_CLUSTER_SPLITS (the
@@ -148,3 +150,43 @@ def choose_merge(combine: bool | None, clustered: bool, splits: int) -> str | No
     if clustered:
         return "cluster"
     return "last split" if combine is False else "kernel"
+
+
+# Decode rows with q in int8 (multi_q8.cu, where the plan allows it): from a group of this many
+# query heads per KV head up to one row tile of 64 (a larger group would stream its KV once per
+# 64 rows). Below, the split-warp mma.sync kernel's CTAs of 32 rows waste less.
+INT8_Q_MIN_ROWS = 16
+INT8_Q_MAX_ROWS = 64
+
+
+def int8_q_unable(arch: str, spec: KVCacheSpec, decode_rows: bool, tree: bool,
+                  ksplit: int | None, wgmma: bool | None, wg_rows: int | None) -> str | None:
+    """Why the int8-q kernel cannot serve a plan with these options (None: it can)."""
+    if arch not in ("sm_90", "sm_90a"):
+        return f"needs an sm_90 device, got {arch}"
+    if (spec.head_dim, spec.scale_mode, spec.paged) != (128, "token", False):
+        return (f"takes head_dim 128, per-token scales and a contiguous cache, got head_dim "
+                f"{spec.head_dim}, scale_mode {spec.scale_mode!r}, page_size {spec.page_size}")
+    if not decode_rows:
+        return "takes decode rows only (qo_indptr=None)"
+    if tree or ksplit not in (None, 1) or wgmma or wg_rows is not None:
+        return (f"excludes tree masks, ksplit > 1 and the warpgroup kernels' options, got "
+                f"tree={tree}, ksplit={ksplit}, wgmma={wgmma}, wg_rows={wg_rows}")
+    return None
+
+
+def choose_int8_q(int8_q: bool | None, allowed: bool, unable: str | None, rows: int) -> bool:
+    """Whether a plan runs the int8-q kernel: ``int8_q`` True requires it (ValueError where the
+    plan does not allow q in int8 or ``unable`` says why the kernel cannot serve it), False
+    forbids it, None takes it where allowed and able for ``rows`` query rows per sequence and
+    KV head in INT8_Q_MIN_ROWS .. INT8_Q_MAX_ROWS."""
+    if int8_q is False:
+        return False
+    if int8_q:
+        if not allowed:
+            raise ValueError("int8_q: the plan was made with allow_int8_q=False; pass "
+                             "allow_int8_q=True to the constructor")
+        if unable:
+            raise ValueError(f"int8_q: the int8-q kernel {unable}")
+        return True
+    return allowed and unable is None and INT8_Q_MIN_ROWS <= rows <= INT8_Q_MAX_ROWS

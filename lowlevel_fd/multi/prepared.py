@@ -6,6 +6,7 @@ import ctypes
 from typing import TYPE_CHECKING
 
 from ..driver.stream import StreamLike
+from .maps import Q8Maps
 from .params import MultiParams
 
 if TYPE_CHECKING:
@@ -16,10 +17,10 @@ class PreparedRun:
     """A validated call of a MultiPlan: ``launch(stream)`` issues it, valid until the plan is
     planned again or closed."""
 
-    __slots__ = ("_plan", "_params", "_rows", "_generation")
+    __slots__ = ("_plan", "_params", "_maps", "_rows", "_generation")
 
-    def __init__(self, plan: MultiPlan, params: MultiParams, rows: bool) -> None:
-        self._plan, self._params, self._rows = plan, params, rows
+    def __init__(self, plan: MultiPlan, params: MultiParams, maps: Q8Maps, rows: bool) -> None:
+        self._plan, self._params, self._maps, self._rows = plan, params, maps, rows
         self._generation = plan._generation
 
     def launch(self, stream: StreamLike) -> None:
@@ -29,6 +30,8 @@ class PreparedRun:
             raise RuntimeError("PreparedRun: the plan was planned again; prepare the call anew")
         ctypes.memmove(ctypes.addressof(plan._params), ctypes.addressof(self._params),
                        ctypes.sizeof(MultiParams))
+        ctypes.memmove(ctypes.addressof(plan._maps), ctypes.addressof(self._maps),
+                       ctypes.sizeof(Q8Maps))
         if self._rows:
             plan._launch.launch(stream)  # type: ignore[union-attr]
             if plan._combine is not None:

@@ -2,8 +2,10 @@
 dtype, storage) and kernel: multi_attend (multi.cu, mma.sync, every arch, KSPLIT 1 or split
 warps) and, on Hopper's warpgroup MMA (sm_90 only, head_dim 64 and 128, whole tiles per
 warpgroup), multi_attend_wg (multi_wg.cu, CTAs of 128 query rows) and multi_attend_wg64
-(multi_wg64.cu, CTAs of 64 rows, two per SM); and the separate split merge, multi_combine
-(multi_combine.cu), one per (head_dim, rows per CTA, tokens per tile, dtype) of those."""
+(multi_wg64.cu, CTAs of 64 rows, two per SM), and for decode rows with q in int8
+multi_attend_q8 (multi_q8.cu: head_dim 128, contiguous, per-token scales; CTAs of 64 rows); and
+the separate split merge, multi_combine (multi_combine.cu), one per (head_dim, rows per CTA,
+tokens per tile, dtype) of those."""
 from __future__ import annotations
 
 import itertools
@@ -20,6 +22,8 @@ WG_ROWS = (128, 64)  # the warpgroup kernels' query rows per CTA (multi_wg.cu, m
 WG_HEAD_DIMS = (64, 128)
 WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
 WG_SCALE_ROW = 20  # floats per lane's row of scales in a widened tile (WgLayout::kScaleRow)
+# multi_q8.cu (Q8Layout): 4 int8 stages of 16 KB, 4 widened V copies of 17 KB, 1 KB to align.
+Q8_SHARED_BYTES = 4 * 16384 + 4 * 17408 + 1024
 
 
 def tile_tokens(head_dim: int, ksplit: int = 1, wgmma: bool = False) -> int:
@@ -56,8 +60,15 @@ class MultiVariant:
     ksplit: int = 1  # warps per 16 query rows, sharing each KV tile (multi.cu KSPLIT)
     wgmma: bool = False  # a warpgroup-MMA kernel (ksplit 1)
     wg_rows: int = 128   # ... its query rows per CTA: 128 (multi_wg.cu) or 64 (multi_wg64.cu)
+    int8_q: bool = False  # multi_q8.cu: decode rows, q quantized to int8 for Q K^T
 
     def __post_init__(self) -> None:
+        if self.int8_q and (self.head_dim, self.scale_mode, self.paged, self.ksplit,
+                            self.wgmma) != (128, "token", False, 1, False):
+            raise ValueError(f"the int8-q kernel takes head_dim 128, per-token scales and a "
+                             f"contiguous cache (ksplit 1, wgmma False), got head_dim "
+                             f"{self.head_dim}, scale_mode {self.scale_mode!r}, paged "
+                             f"{self.paged}, ksplit {self.ksplit}, wgmma {self.wgmma}")
         if self.wgmma and (self.ksplit != 1 or self.head_dim not in WG_HEAD_DIMS):
             raise ValueError(f"the wgmma kernel takes ksplit 1 and head_dim {WG_HEAD_DIMS}, "
                              f"got ksplit {self.ksplit}, head_dim {self.head_dim}")
@@ -66,9 +77,10 @@ class MultiVariant:
 
     @classmethod
     def planned(cls, spec: KVCacheSpec, dtype: str, ksplit: int = 1,
-                wgmma: bool = False, wg_rows: int = 128) -> "MultiVariant":
+                wgmma: bool = False, wg_rows: int = 128,
+                int8_q: bool = False) -> "MultiVariant":
         return cls(spec.head_dim, dtype, spec.scale_mode, spec.scale_dtype, spec.paged,
-                   ksplit, wgmma, wg_rows if wgmma else 128)
+                   ksplit, wgmma, wg_rows if wgmma else 128, int8_q)
 
     @property
     def row_blocks(self) -> int:
@@ -78,15 +90,19 @@ class MultiVariant:
 
     @property
     def rows_per_cta(self) -> int:
+        if self.int8_q:
+            return 64
         return self.wg_rows if self.wgmma else 16 * self.row_blocks * (4 // self.ksplit)
 
     @property
     def threads(self) -> int:
+        if self.int8_q:
+            return 384
         return (384 if self.wg_rows == 128 else 128) if self.wgmma else THREADS
 
     @property
     def tile_tokens(self) -> int:
-        return tile_tokens(self.head_dim, self.ksplit, self.wgmma)
+        return tile_tokens(self.head_dim, self.ksplit, self.wgmma or self.int8_q)
 
     @property
     def kernel(self) -> str:
@@ -94,6 +110,9 @@ class MultiVariant:
                 f"{support.CXX_DTYPES[self.dtype]}, "
                 f"{support.scale_storage(self.scale_mode, self.scale_dtype)}, "
                 f"{support.cxx_bool(self.paged)}")
+        if self.int8_q:
+            return (f"llfd::multi_attend_q8<{support.CXX_DTYPES[self.dtype]}, "
+                    f"{support.scale_storage(self.scale_mode, self.scale_dtype)}>")
         if self.wgmma:
             return f"llfd::multi_attend_wg{'64' if self.wg_rows == 64 else ''}<{args}>"
         return f"llfd::multi_attend<{args}, {self.ksplit}>"
@@ -118,7 +137,9 @@ class MultiVariant:
         int8 stages (three; two at 64 rows), widened tiles (fp16 K and V, their fp32 scales in
         rows of 20 floats per lane and two V maxima, 1 KB aligned: three; two at 64 rows), the
         computing warpgroups' fp16 Q (64 rows each; at 64 rows staged in the second widened
-        tile), and 1 KB to align them."""
+        tile), and 1 KB to align them. The int8-q kernel: Q8_SHARED_BYTES."""
+        if self.int8_q:
+            return Q8_SHARED_BYTES
         if self.wgmma:
             rows = self.tile_tokens
             scales = 2 * 4 * WG_SCALE_ROW * 4 + 8  # K and V: 4 lanes' rows of fp32; 2 maxima
@@ -132,17 +153,19 @@ class MultiVariant:
 
     @property
     def source(self) -> str:
+        if self.int8_q:
+            return "multi_q8.cu"
         if self.wgmma:
             return "multi_wg64.cu" if self.wg_rows == 64 else "multi_wg.cu"
         return "multi.cu"
 
     def builds_for(self, arch: str) -> bool:
-        """Whether this program exists for ``arch`` (the wgmma kernel: Hopper only)."""
-        return not self.wgmma or arch in WG_ARCHS
+        """Whether this program exists for ``arch`` (the wgmma kernels: Hopper only)."""
+        return not (self.wgmma or self.int8_q) or arch in WG_ARCHS
 
     def target_arch(self, arch: str) -> str:
         """The arch NVRTC compiles for: wgmma needs the arch-specific sm_90a."""
-        if not self.wgmma:
+        if not (self.wgmma or self.int8_q):
             return arch
         if not self.builds_for(arch):
             raise ValueError(f"arch: the wgmma kernel needs sm_90, got {arch!r}")
@@ -207,3 +230,5 @@ def _attention_variants() -> Iterator[MultiVariant]:
                     for rows in WG_ROWS:
                         yield MultiVariant(dim, dtype, mode, scale_dtype, paged, wgmma=True,
                                            wg_rows=rows)
+                if (dim, mode, paged) == (128, "token", False):
+                    yield MultiVariant(dim, dtype, mode, scale_dtype, paged, int8_q=True)
