@@ -3,14 +3,16 @@ and on the decode kernel itself) and through MultiPlan with one query token per 
 which kernel family streams the shared KV head better.
 
     PYTHONPATH=.:tools python3 tools/probe_mqa.py [--shapes 'B,Hq,Hkv;...'] [--seq S]
-        [--planned-only] [--json PATH]
+        [--planned-only] [--int8-q] [--json PATH]
 
 Needs torch and a GPU. L2-honest: L >= 2 layers with distinct caches per graph replay, L x KV
 bytes >= 200 MiB; us per layer (median of 30 replays); % of the read reference measured in the
 same run. MultiPlan is timed at every kernel (mma.sync with ksplit 1 or split warps; on sm_90
 the warpgroup kernels with CTAs of 128 and of 64 rows, their splits merged as planned, in a
 thread-block cluster, by the merge kernel or by the last split) x num_splits setting; the best and the
-planner's own pick are reported; each MultiPlan output is compared with decode's.
+planner's own pick are reported; each MultiPlan output is compared with decode's. ``--int8-q``
+adds the int8-q kernel (plans with allow_int8_q over Hadamard keys) at every split setting and
+merge, and DecodePlan's route with it; its outputs differ by q's rounding (reported apart).
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     parser.add_argument("--planned-only", action="store_true",
                         help="time MultiPlan's planned kernel only")
+    parser.add_argument("--int8-q", action="store_true",
+                        help="also time the int8-q kernel (allow_int8_q, Hadamard keys)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     seq, D = args.seq, args.head_dim
@@ -123,6 +127,34 @@ def main(argv=None) -> int:
                                    / o_kernel.float().abs().max()))
         diff = max(diff, float((o_kernel.float() - o_dec.float()).abs().max()
                                / o_kernel.float().abs().max()))
+        q8 = {}
+        if args.int8_q:
+            diff8 = 0.0
+            q8_options = dict(max_batch=batch, max_seq_len=seq, key_transform="hadamard",
+                              allow_int8_q=True)
+            routed = DecodePlan.create(hq, hkv, D, **q8_options).plan([seq] * batch)
+            t = time_graph(lambda: [routed.run(q, *c, lens, o_multi, stream=current())
+                                    for c in caches], iters=30, warmup=5, per=layers)
+            q8["DecodePlan"] = t["median_us"]
+            row8 = {"decode_int8_q_us": t["median_us"], "decode_int8_q_p20_us": t["p20_us"],
+                    "decode_int8_q_p80_us": t["p80_us"],
+                    "decode_int8_q_plan": routed.describe()["multi"]}
+            routed.close()
+            for splits, combine in itertools.product((None, 1, 2, 3, 4, 6, 8), (None, False)):
+                if combine is False and splits in (None, 1):
+                    continue
+                plan = MultiPlan.create(hq, hkv, D, **q8_options).plan(
+                    None, [seq] * batch, causal=False, num_splits=splits, combine=combine,
+                    int8_q=True)
+                o_multi.fill_(float("nan"))
+                t = time_graph(lambda: [plan.run(q, *c, lens, None, o_multi, stream=current())
+                                        for c in caches], iters=30, warmup=5, per=layers)
+                merge = "last split" if combine is False else "merge kernel"
+                q8[f"int8 q, splits {splits or 'planned'}, {merge}"] = t["median_us"]
+                plan.close()
+                torch.cuda.synchronize()
+                diff8 = max(diff8, float((o_kernel.float() - o_multi.float()).abs().max()
+                                         / o_kernel.float().abs().max()))
         best = min(multi, key=multi.get)
         planned = next(key for key in multi if key.startswith("planner"))
         share = kv / 1e3 / gbps * 100  # % of the reference at 1 us
@@ -137,6 +169,19 @@ def main(argv=None) -> int:
                "planned": planned, "planned_us": multi[planned],
                "planned_pct": share / multi[planned], "multi_all": multi,
                "max_rel_diff": diff}
+        if q8:
+            best8 = min(q8, key=q8.get)
+            row.update(row8, int8_q_all=q8, int8_q_best=best8, int8_q_best_us=q8[best8],
+                       int8_q_best_pct=share / q8[best8],
+                       decode_int8_q_pct=share / q8["DecodePlan"],
+                       max_rel_diff_int8_q=diff8)
+            print(f"  int8 q: DecodePlan {q8['DecodePlan']:.1f} us "
+                  f"({share / q8['DecodePlan']:.1f}%, p20/p80 {row8['decode_int8_q_p20_us']:.1f}/"
+                  f"{row8['decode_int8_q_p80_us']:.1f}), best {best8} {q8[best8]:.1f} us "
+                  f"({share / q8[best8]:.1f}%); all: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in q8.items())
+                  + f"; outputs within {diff8:.1e} of the decode kernel's (q rounded)",
+                  flush=True)
         rows.append(row)
         print(f"B={batch} Hq={hq} Hkv={hkv}: {kv / 2**20:.0f} MiB/layer, L={layers}: DecodePlan "
               f"({backend}) {row['decode_us']:.1f} us ({row['decode_pct']:.1f}%, p20/p80 "
