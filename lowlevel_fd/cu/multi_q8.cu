@@ -11,7 +11,7 @@
 // CTA (64 query rows of one KV head: CtaWork's row tile, split and sequence):
 //  * warpgroup 0 widens: its thread 0 keeps a ring of kStages int8 tiles (64 tokens) in flight
 //    with bulk tensor copies (Q8Maps, 128-byte swizzle; tokens past the capacity arrive as
-//    zeros); all 128 threads fetch the per-token scales two tiles ahead (ScaleFetch) and widen
+//    zeros); all 128 threads copy the per-token scales kStages tiles ahead (ScaleRing) and widen
 //    V and the scales into kCopies copies (VWidening);
 //  * warpgroups 1 and 2 ("teams") take the tiles in turn (team w: tiles w, w + 2, ...), each
 //    with its own online softmax (softmax_h16) over the same 64 rows: S(j + 2) on the tensor
@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(Q8Layout::kThreads, 1)
   __shared__ __align__(8) uint64_t full_bar[kStages], empty_bar[kStages];
   __shared__ __align__(8) uint64_t cfull_bar[kCopies], cempty_bar[kCopies];
   __shared__ int is_last;
+  __shared__ __align__(16) uint32_t scale_ring[kStages * 128];  // ScaleRing's slots
   char* const smem = swizzle_aligned(smem_raw);
   const uint32_t base = shared_address(smem);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -79,16 +80,18 @@ __global__ void __launch_bounds__(Q8Layout::kThreads, 1)
     if (tid == 0)
       for (int j = 0; j < min(kStages, tiles); ++j) issue(j);
     if (prime_early) work.wait_then_flag(p);
-    const ScaleFetch<ScaleT> fetch(p, b, kvh, tid);
-    float ahead[2] = {fetch.at(start + token, end), fetch.at(start + 64 + token, end)};
-    auto step = [&](int j, float& pending) __attribute__((always_inline)) {
+    ScaleRing<ScaleT, kStages> scales(p, b, kvh, tid, shared_address(scale_ring));
+#pragma unroll 1
+    for (int j = 0; j < kStages; ++j) scales.fetch(j, start + 64 * j + token, end);
+#pragma unroll 1
+    for (int j = 0; j < tiles; ++j) {
       // The stage of tile j - 1 (its V widened last step) refills once its S has read K.
       if (tid == 0 && j >= 1 && j - 1 + kStages < tiles) {
         mbar_wait(empty + 8 * slot<kStages>(j - 1), lap<kStages>(j - 1));
         issue(j - 1 + kStages);
       }
-      const float tile_scale = pending;
-      pending = fetch.at(start + 64 * (j + 2) + token, end);
+      const float tile_scale = scales.take(j);
+      scales.fetch(j + kStages, start + 64 * (j + kStages) + token, end);
       const int s = slot<kStages>(j);
       mbar_wait(full + 8 * s, lap<kStages>(j));
       VWidening widened;
@@ -98,12 +101,8 @@ __global__ void __launch_bounds__(Q8Layout::kThreads, 1)
       fence_proxy_async();
       mbar_arrive(cfull + 8 * slot<kCopies>(j));
       asm volatile("bar.sync 2, 128;" ::: "memory");  // stage s read by all before its refill
-    };
-#pragma unroll 1
-    for (int j = 0; j < tiles; j += 2) {  // two register slots of scales fetched ahead
-      step(j, ahead[0]);
-      if (j + 1 < tiles) step(j + 1, ahead[1]);
     }
+    cp_async_wait<0>();
     allow_next_grid();
     return;
   }

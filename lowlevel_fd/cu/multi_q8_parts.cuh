@@ -119,23 +119,54 @@ __device__ __forceinline__ void quantize_query_s8(uint32_t (&qa)[4][4], float (&
 }
 
 // One per-token scale per widening thread and tile (threads 0-63 K, 64-127 V: token tid % 64),
-// read from global memory two tiles before its widening (ScaleT fp32 or fp16, any strides).
-// Tokens at or past the split's end read as 0: their P is 0, but the pool may hold anything.
-template <typename ScaleT>
-struct ScaleFetch {
-  const ScaleT* base;  // this thread's token 0 of the sequence and KV head
-  int64_t token_stride;
-  __device__ __forceinline__ ScaleFetch(const MultiParams& p, int b, int kvh, int tid) {
-    const ScaleT* pool = static_cast<const ScaleT*>(tid >= 64 ? p.v_scale : p.k_scale);
-    base = pool + b * p.scale_batch_stride + kvh * p.scale_head_stride;
-    token_stride = p.scale_token_stride;
+// copied into the thread's own slot of a ring in shared memory (cp.async, one commit group
+// per tile) RING tiles before its widening, so that it arrives with its tile's K and V: loads
+// into registers two tiles ahead queued behind the bulk copies and stalled the widener
+// (PERF_NOTES v42). Tokens at or past the split's end arrive as 0 without a read: their P is
+// 0, but the pool may hold anything. fp16 scales are copied as their aligned 4-byte word (2
+// bytes when the scale is its low half, so never past the array; 4 when the high half: the low
+// one lies in the same allocation), the half chosen per slot by a bit.
+template <typename ScaleT, int RING>
+struct ScaleRing {
+  const char* base;     // this thread's scale of token 0 (sequence b, KV head kvh)
+  int64_t token_bytes;
+  uint32_t ring;        // this thread's slot 0; slot s at ring + 512 s
+  uint32_t high = 0;    // fp16: bit s, slot s holds the word's high half
+
+  __device__ __forceinline__ ScaleRing(const MultiParams& p, int b, int kvh, int tid,
+                                       uint32_t slots) {
+    const char* pool = static_cast<const char*>(tid >= 64 ? p.v_scale : p.k_scale);
+    base = pool + (b * p.scale_batch_stride + kvh * p.scale_head_stride) *
+                      static_cast<int64_t>(sizeof(ScaleT));
+    token_bytes = p.scale_token_stride * static_cast<int64_t>(sizeof(ScaleT));
+    ring = slots + 4 * tid;
   }
-  __device__ __forceinline__ float at(int token, int end) const {
-    if (token >= end) return 0.f;
+  // Tile t's scale (of token `token`, read if below `end`) into slot t % RING: one group.
+  __device__ __forceinline__ void fetch(int t, int token, int end) {
+    const int s = slot<RING>(t);
+    const bool in = token < end;
+    const char* at = base + (in ? token * token_bytes : 0);
+    if constexpr (sizeof(ScaleT) == 2) {
+      const uint64_t address = reinterpret_cast<uint64_t>(at);
+      const uint32_t h = static_cast<uint32_t>(address >> 1) & 1u;
+      high = (high & ~(1u << s)) | (h << s);
+      cp_async_4(ring + 512 * s, reinterpret_cast<const void*>(address & ~uint64_t(3)),
+                 in ? (h ? 4 : 2) : 0);
+    } else {
+      cp_async_4(ring + 512 * s, at, in ? 4 : 0);
+    }
+    cp_async_commit();
+  }
+  // Tile t's scale, once its group landed (the next RING - 1 tiles' may still be in flight).
+  __device__ __forceinline__ float take(int t) const {
+    cp_async_wait<RING - 1>();
+    const int s = slot<RING>(t);
+    uint32_t word;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(word) : "r"(ring + 512 * s) : "memory");
     if constexpr (sizeof(ScaleT) == 2)
-      return half_to_float(static_cast<uint16_t>(__ldg(base + token * token_stride)));
+      return half_to_float(static_cast<uint16_t>(word >> (16 * ((high >> s) & 1u))));
     else
-      return __ldg(base + token * token_stride);
+      return __uint_as_float(word);
   }
 };
 
