@@ -93,10 +93,9 @@ def test_int8_q_variants_reject_what_the_kernel_lacks():
 
 
 def test_int8_q_kernels_compile_without_spills_or_stack_and_claim_their_shared_memory():
-    """Q8Layout: 4 int8 stages of 17 KB (K, V, their scales), 4 widened V copies of 17 KB
-    (WgLayout's V and scale regions), 1 KB to align; the loading warpgroup's 72 registers and
-    the teams' 216 fit."""
-    assert Q8_SHARED_BYTES == 4 * 17408 + 4 * 17408 + 1024
+    """Q8Layout: 4 int8 stages of 16 KB, 4 widened V copies of 17 KB (WgLayout's V and scale
+    regions), 1 KB to align; the loading warpgroup's 72 registers and the teams' 216 fit."""
+    assert Q8_SHARED_BYTES == 4 * 16384 + 4 * 17408 + 1024
     for dtype in ("float16", "bfloat16"):
         for scale_dtype in ("float32", "float16"):
             variant = MultiVariant(128, dtype, scale_dtype=scale_dtype, int8_q=True)

@@ -66,14 +66,12 @@ __global__ void __launch_bounds__(Q8Layout::kThreads, 1)
   if (wg == 0) {
     set_max_registers<72>();
     const int tid = threadIdx.x, token = tid % 64;
-    ScaleRing<ScaleT, kStages> scales(p, b, kvh, tid, shared_address(scale_ring), start);
     auto issue = [&](int j) __attribute__((always_inline)) {  // thread 0
       const int s = slot<kStages>(j);
       const uint32_t stage = base + s * L::kStageBytes, bar = full + 8 * s;
-      mbar_expect(bar, L::kTx + scales.bulk_bytes(j));
+      mbar_expect(bar, L::kTx);
       tma_4d(stage + L::kK, &maps.k, 0, start + 64 * j, kvh, b, bar);
       tma_4d(stage + L::kV, &maps.v, 0, start + 64 * j, kvh, b, bar);
-      scales.bulk_issue(p, j, start + 64 * j, stage, bar);
     };
     // The first tiles go out before the wait for the previous kernel where they lie before
     // the appended token (CtaWork::primes_early); the scales are read after it.
@@ -82,6 +80,7 @@ __global__ void __launch_bounds__(Q8Layout::kThreads, 1)
     if (tid == 0)
       for (int j = 0; j < min(kStages, tiles); ++j) issue(j);
     if (prime_early) work.wait_then_flag(p);
+    ScaleRing<ScaleT, kStages> scales(p, b, kvh, tid, shared_address(scale_ring));
 #pragma unroll 1
     for (int j = 0; j < kStages; ++j) scales.fetch(j, start + 64 * j + token, end);
 #pragma unroll 1
@@ -91,13 +90,10 @@ __global__ void __launch_bounds__(Q8Layout::kThreads, 1)
         mbar_wait(empty + 8 * slot<kStages>(j - 1), lap<kStages>(j - 1));
         issue(j - 1 + kStages);
       }
+      const float tile_scale = scales.take(j);
+      scales.fetch(j + kStages, start + 64 * (j + kStages) + token, end);
       const int s = slot<kStages>(j);
       mbar_wait(full + 8 * s, lap<kStages>(j));
-      const float tile_scale =
-          j < scales.bulk_tiles
-              ? scales.from_stage(smem + s * L::kStageBytes, tid, start + 64 * j + token, end)
-              : scales.take(j);
-      scales.fetch(j + kStages, start + 64 * (j + kStages) + token, end);
       VWidening widened;
       widened.load(smem + s * L::kStageBytes, tile_scale, tid);  // in registers meanwhile
       if (j >= kCopies) mbar_wait(cempty + 8 * slot<kCopies>(j), lap<kCopies>(j) ^ 1u);

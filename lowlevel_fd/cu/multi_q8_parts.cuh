@@ -10,8 +10,7 @@ namespace llfd {
 
 // The CTA: a widening warpgroup, then kTeams computing warpgroups that take alternate tiles.
 // STAGES int8 tiles in flight (K then V, 64 tokens x 128 bytes each, swizzled by the copy as
-// MultiTile lays them out; then the tile's K and V scales where they arrive by bulk copy:
-// ScaleRing) and COPIES widened V tiles (WgLayout<128>'s V and scale regions
+// MultiTile lays them out) and COPIES widened V tiles (WgLayout<128>'s V and scale regions
 // only: a copy's base lies kCopyV before them). Two copies per team: a team holds its tile j's
 // copy (P V) while it waits for that of j + kTeams (the softmax).
 struct Q8Layout {
@@ -19,9 +18,9 @@ struct Q8Layout {
   static constexpr int kTeams = 2, kStages = 4, kCopies = 4;
   static constexpr int kThreads = 128 * (1 + kTeams);
   static constexpr int kTokens = 64, kRows = 64;  // KV tokens per tile, query rows per CTA
-  static constexpr int kK = 0, kV = 64 * 128, kKScale = 2 * 64 * 128, kVScale = kKScale + 256;
-  static constexpr int kStageBytes = 17 * 1024;  // whole swizzle atoms
-  static constexpr uint32_t kTx = 2 * 64 * 128;  // both boxes, out-of-range rows included
+  static constexpr int kK = 0, kV = 64 * 128;
+  static constexpr int kStageBytes = 2 * 64 * 128;  // 16 KB: whole swizzle atoms
+  static constexpr uint32_t kTx = 2 * 64 * 128;     // both boxes, out-of-range rows included
   static constexpr int kCopySpan = W::kCopyBytes - W::kCopyV;
   static constexpr int kCopy0 = kStages * kStageBytes;
   static constexpr int kBytes = kCopy0 + kCopies * kCopySpan;
@@ -119,74 +118,31 @@ __device__ __forceinline__ void quantize_query_s8(uint32_t (&qa)[4][4], float (&
   }
 }
 
-// The per-token scales of a tile, one per widening thread (threads 0-63 K, 64-127 V: token
-// tid % 64). Where a row of scales is contiguous and 16-byte aligned, a tile wholly inside the
-// capacity (tile < bulk_tiles) has its K and V scales bulk-copied into its stage with its K and
-// V (thread 0, the same mbarrier). Any other tile's scale is copied by each thread into its own
-// slot of a ring in shared memory (cp.async, one commit group per tile, empty for bulk tiles)
-// RING tiles before its widening, so that it too arrives with its tile: loads into registers
-// two tiles ahead queued behind the bulk copies and stalled the widener, and the ring's
-// per-thread copies cost it 10% against the bulk path (PERF_NOTES v42). Tokens at or past the
-// split's end read as 0: their P is 0, but the pool may hold anything. fp16 scales go through
-// the ring as their aligned 4-byte word (2 bytes when the scale is its low half, so never past
-// the array; 4 when the high half: the low one lies in the same allocation), the half chosen
-// per slot by a bit.
+// One per-token scale per widening thread and tile (threads 0-63 K, 64-127 V: token tid % 64),
+// copied into the thread's own slot of a ring in shared memory (cp.async, one commit group
+// per tile) RING tiles before its widening, so that it arrives with its tile's K and V: loads
+// into registers two tiles ahead queued behind the bulk copies and stalled the widener
+// (PERF_NOTES v42). Tokens at or past the split's end arrive as 0 without a read: their P is
+// 0, but the pool may hold anything. fp16 scales are copied as their aligned 4-byte word (2
+// bytes when the scale is its low half, so never past the array; 4 when the high half: the low
+// one lies in the same allocation), the half chosen per slot by a bit.
 template <typename ScaleT, int RING>
 struct ScaleRing {
   const char* base;     // this thread's scale of token 0 (sequence b, KV head kvh)
   int64_t token_bytes;
   uint32_t ring;        // this thread's slot 0; slot s at ring + 512 s
   uint32_t high = 0;    // fp16: bit s, slot s holds the word's high half
-  int bulk_tiles;       // tiles 0 .. bulk_tiles - 1 of the split (from `start`) come in bulk
 
   __device__ __forceinline__ ScaleRing(const MultiParams& p, int b, int kvh, int tid,
-                                       uint32_t slots, int start) {
-    const int64_t row = (b * p.scale_batch_stride + kvh * p.scale_head_stride) *
-                        static_cast<int64_t>(sizeof(ScaleT));
+                                       uint32_t slots) {
     const char* pool = static_cast<const char*>(tid >= 64 ? p.v_scale : p.k_scale);
-    base = pool + row;
+    base = pool + (b * p.scale_batch_stride + kvh * p.scale_head_stride) *
+                      static_cast<int64_t>(sizeof(ScaleT));
     token_bytes = p.scale_token_stride * static_cast<int64_t>(sizeof(ScaleT));
     ring = slots + 4 * tid;
-    // Tiles start 64 tokens apart (128 or 256 bytes), so the rows' alignment decides.
-    const bool aligned = p.scale_token_stride == 1 &&
-                         ((reinterpret_cast<uint64_t>(p.k_scale) + row) & 15u) == 0 &&
-                         ((reinterpret_cast<uint64_t>(p.v_scale) + row) & 15u) == 0;
-    bulk_tiles = aligned ? max(0, (p.capacity - start) / 64) : 0;
   }
-  // Thread 0: tile t's bulk copies (its scales from `first`, token start + 64 t) onto `bar`;
-  // the bytes they add to the stage's transaction count.
-  __device__ __forceinline__ uint32_t bulk_bytes(int t) const {
-    return t < bulk_tiles ? 2 * 64 * sizeof(ScaleT) : 0u;
-  }
-  __device__ __forceinline__ void bulk_issue(const MultiParams& p, int t, int first,
-                                             uint32_t stage, uint32_t bar) const {
-    if (t >= bulk_tiles) return;
-    const int64_t at = (base - static_cast<const char*>(p.k_scale)) +
-                       static_cast<int64_t>(first) * sizeof(ScaleT);  // thread 0: a K row
-    bulk_copy(stage + Q8Layout::kKScale, static_cast<const char*>(p.k_scale) + at,
-              64 * sizeof(ScaleT), bar);
-    bulk_copy(stage + Q8Layout::kVScale, static_cast<const char*>(p.v_scale) + at,
-              64 * sizeof(ScaleT), bar);
-  }
-  // Tile t's scale from the landed stage (bulk tiles; `token`: this thread's, read as 0 at or
-  // past `end`).
-  __device__ __forceinline__ float from_stage(const char* stage, int tid, int token,
-                                              int end) const {
-    const char* region = stage + (tid >= 64 ? Q8Layout::kVScale : Q8Layout::kKScale);
-    float raw;
-    if constexpr (sizeof(ScaleT) == 2)
-      raw = half_to_float(reinterpret_cast<const uint16_t*>(region)[tid % 64]);
-    else
-      raw = reinterpret_cast<const float*>(region)[tid % 64];
-    return token < end ? raw : 0.f;
-  }
-  // Tile t's scale (of token `token`, read if below `end`) into slot t % RING, unless the tile
-  // comes in bulk: one commit group either way.
+  // Tile t's scale (of token `token`, read if below `end`) into slot t % RING: one group.
   __device__ __forceinline__ void fetch(int t, int token, int end) {
-    if (t < bulk_tiles) {
-      cp_async_commit();
-      return;
-    }
     const int s = slot<RING>(t);
     const bool in = token < end;
     const char* at = base + (in ? token * token_bytes : 0);

@@ -22,9 +22,8 @@ WG_ROWS = (128, 64)  # the warpgroup kernels' query rows per CTA (multi_wg.cu, m
 WG_HEAD_DIMS = (64, 128)
 WG_ARCHS = ("sm_90", "sm_90a")  # wgmma: Hopper only (compiled for sm_90a)
 WG_SCALE_ROW = 20  # floats per lane's row of scales in a widened tile (WgLayout::kScaleRow)
-# multi_q8.cu (Q8Layout): 4 int8 stages (K, V, their scales) and 4 widened V copies of 17 KB,
-# 1 KB to align.
-Q8_SHARED_BYTES = 4 * 17408 + 4 * 17408 + 1024
+# multi_q8.cu (Q8Layout): 4 int8 stages of 16 KB, 4 widened V copies of 17 KB, 1 KB to align.
+Q8_SHARED_BYTES = 4 * 16384 + 4 * 17408 + 1024
 
 
 def tile_tokens(head_dim: int, ksplit: int = 1, wgmma: bool = False) -> int:
