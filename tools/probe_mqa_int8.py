@@ -13,6 +13,7 @@ outputs are wrong; their check is reported, not counted).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="STAGESxCOPIESxTEAMS[xCONTROL[xSOFTMAX]], comma-separated")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
+    from lowlevel_fd import DecodePlan
     from lowlevel_fd.driver import Device, Stream
     device, stream = Device(0), Stream()
     reference = measure_read_bandwidth(device, stream)["gbps"]
@@ -56,7 +58,17 @@ def main(argv: list[str] | None = None) -> int:
             failed += not check["ok"]
             row(f"shipped {described['backend']}", bench.graph_us(warmup=10, iters=args.iters),
                 "-", check["max_rel_err"])
-            for config in args.configs.split(","):
+            # The shipped int8-q kernel (DecodePlan with allow_int8_q) over the same layers.
+            spec = dataclasses.replace(bench.plan.cache, key_transform="hadamard")
+            with DecodePlan(spec, hq, max_batch=batch, max_seq_len=seq_len,
+                            allow_int8_q=True) as q8:
+                q8.plan(bench.layers.host_lengths)
+                assert q8.describe()["multi"]["int8_q"]
+                samples = time_graph(lambda: [q8.run(*bench.layers.args(i), stream=stream)
+                                              for i in range(layers)], stream, warmup=10,
+                                     iters=args.iters)
+                row("shipped int8 q", [1e3 * ms / layers for ms in samples], "-", float("nan"))
+            for config in filter(None, args.configs.split(",")):
                 probe = MqaBench(bench, MqaVariant(*(int(x) for x in config.split("x"))))
                 check = probe.check()
                 failed += not check["ok"] and not probe.variant.control
