@@ -123,3 +123,33 @@ def test_int8_query_rows_round_each_row_to_127_steps_of_its_largest():
     # bf16 or rotated rows pass through fp16 scaled by a power of two first: the same steps
     # for values fp16 holds exactly
     np.testing.assert_array_equal(int8_query_rows(x * 2.0**-20), rounded * 2.0**-20)
+
+
+@pytest.mark.parametrize("batch, group, seq, pays", [
+    (128, 64, 4096, True), (128, 32, 1024, True), (32, 64, 16384, True),
+    (16, 64, 32768, True), (32, 64, 4096, False), (8, 64, 32768, False),
+    (128, 64, 512, False), (64, 32, 1024, False),
+])
+def test_int8_q_pays_for_long_tiles_per_cta(batch, group, seq, pays):
+    """PERF_NOTES v42 on the H200's 132 SMs: unsplit with >= 16 tiles per CTA, or splits of
+    >= 48 tiles (each split pays its fixed chain and the merge kernel)."""
+    from lowlevel_fd.multi.planner import int8_q_pays
+    lengths = np.full(batch, seq, np.int64)
+    assert int8_q_pays(np.ones(batch, np.int64), lengths, group, 1, 132) == pays
+
+
+def test_decode_plans_route_to_int8_q_only_where_allowed_and_paying():
+    from lowlevel_fd.decode.route import wants_multi
+    spec = KVCacheSpec(1, 128, key_transform="hadamard")
+    lengths = np.full(128, 1024, np.int64)
+    # group 32 over 33 MiB: rule 8 keeps the decode kernel, int8 q takes the route
+    assert not wants_multi(None, spec, 32, 2, lengths, DEVICE, False)
+    assert wants_multi(None, spec, 32, 2, lengths, DEVICE, False, True)
+    assert not wants_multi(None, spec, 32, 2, lengths[:64], DEVICE, False, True)
+    assert not wants_multi(None, spec, 8, 1, lengths, DEVICE, False, True)  # below 16 heads
+    plan = DecodePlan(spec, 32, max_batch=2, max_seq_len=64, device=DEVICE, allow_int8_q=True)
+    with pytest.raises(ValueError, match=r"^int8_q: the int8-q kernel runs on the multi-token "
+                                         r"route, got int8_q=True with multi=False$"):
+        plan.plan([5, 6], int8_q=True, multi=False)
+    with pytest.raises(TypeError, match=r"^int8_q: expected a bool, got int 1$"):
+        plan.plan([5, 6], int8_q=1)

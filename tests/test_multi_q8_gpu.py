@@ -6,8 +6,6 @@ capacity that is not a multiple of the tile, KV splits under each merge, early r
 and appended through DecodePlan, graph replay, the device guards, long rows."""
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from decode_case import TOLERANCE, Case
@@ -63,7 +61,7 @@ def test_int8_q_decode_rows_match_the_oracle(rng, stream, group, dtype, scale_dt
                    kv_layout=kv_layout)
     case.upload()
     with q8_plan(case) as plan:
-        plan.plan(None, case.lengths, causal=False)
+        plan.plan(None, case.lengths, causal=False, int8_q=True)
         assert plan.describe()["int8_q"] and plan.describe()["rows_per_cta"] == 64
         results = []
         for early in (False, True):
@@ -106,15 +104,13 @@ def test_int8_q_forced_on_other_groups(rng, stream, group):
         plan.plan(None, case.lengths, causal=False, int8_q=True)
         assert plan.describe()["max_tiles"] == -(-group // 64)
         case.check(*run(plan, case, stream))
-        plan.plan(None, case.lengths, causal=False)  # the planner's pick: 16 .. 64 heads
-        assert plan.describe()["int8_q"] == (16 <= group <= 64)
 
 
 def test_int8_q_negative_score_scale_flips_q(rng, stream):
     case = q8_case(rng, [500, 37], 32, capacity=512)
     case.upload()
     with q8_plan(case, sm_scale=-0.1) as plan:
-        plan.plan(None, case.lengths, causal=False)
+        plan.plan(None, case.lengths, causal=False, int8_q=True)
         case.check(*run(plan, case, stream), sm_scale=-0.1)
 
 
@@ -122,7 +118,7 @@ def test_int8_q_device_guards_clamp_and_flag(rng, stream):
     case = q8_case(rng, [100, 200, 300], 64)
     case.upload()
     with q8_plan(case) as plan:
-        plan.plan(None, case.lengths, causal=False)
+        plan.plan(None, case.lengths, causal=False, int8_q=True)
         case.device["seq_lens"].copy_from_numpy(np.array([5000, -3, 300], np.int32))
         out, lse = run(plan, case, stream)
         case.lengths = [CAPACITY, 0, 300]  # what the kernel clamps to (no device copy)
@@ -145,7 +141,7 @@ def test_int8_q_prepared_call_replays_in_a_graph_as_lengths_change(rng, stream):
     case = q8_case(rng, [700, 1029, 0, 64], 48, 2)
     d = case.upload()
     with q8_plan(case) as plan:
-        plan.plan(None, [CAPACITY] * 4, causal=False)
+        plan.plan(None, [CAPACITY] * 4, causal=False, int8_q=True)
         prepared = plan.prepare_run(d["q"], d["k"], d["v"], d["k_scale"], d["v_scale"],
                                     d["seq_lens"], None, d["out"], lse=d["lse"])
         with capture(stream) as graph:
@@ -177,7 +173,15 @@ def test_int8_q_routed_append_and_run_matches_the_fused_oracle(rng, stream, rope
                                    dtype=dtype, rope=rope, rope_theta=THETA,
                                    key_transform="hadamard", allow_int8_q=True)
     fused.round_query = False
-    fused.check(*fused.run(stream, multi=True))
+    d = fused.device
+    fused.plan.plan(fused.planned(), append=True, int8_q=True)
+    d["out"].fill(float("nan"))
+    d["lse"].fill(float("nan"))
+    fused.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],
+                              d["v_scale"], d["seq_lens"], d["out"], cos_sin=d["cos_sin"],
+                              lse=d["lse"], stream=stream)
+    stream.synchronize()
+    fused.check(d["out"].numpy().astype(np.float64), d["lse"].numpy().astype(np.float64))
     assert fused.plan.describe()["multi"]["int8_q"]
     assert fused.plan.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE
     fused.plan.close()
@@ -189,7 +193,7 @@ def test_int8_q_decode_step_replays_bitwise_what_it_issues_eagerly(rng, stream):
     step = DecodeStep.create(layers, hq, 1, dim, max_batch=batch, max_seq_len=capacity,
                              rope="neox", key_transform="hadamard", allow_int8_q=True)
     step.plan(lengths)
-    step.attention.plan(lengths, append=True, multi=True)
+    step.attention.plan(lengths, append=True, int8_q=True)
     assert step.attention.describe()["multi"]["int8_q"]
     host = [(rng.standard_normal((batch, hq, dim)).astype(np.float16),
              rng.standard_normal((batch, 1, dim)).astype(np.float16),
@@ -219,12 +223,17 @@ def test_int8_q_decode_step_replays_bitwise_what_it_issues_eagerly(rng, stream):
     step.close()
 
 
-def test_the_route_takes_int8_q_only_where_allowed(rng):
-    lengths = [4096] * 32
-    for allow, transform in itertools.product((False, True), ("hadamard",)):
-        with DecodePlan.create(64, 1, 128, max_batch=32, max_seq_len=4096,
-                               key_transform=transform, allow_int8_q=allow) as plan:
-            plan.plan(lengths)
+@pytest.mark.parametrize("batch, group, seq, routed", [
+    (128, 64, 4096, True),    # unsplit, 64 tiles per CTA
+    (128, 32, 1024, True),    # unsplit, 16 tiles: the decode kernel's shape without int8 q
+    (32, 64, 16384, True),    # 4 splits of 64 tiles
+    (32, 64, 4096, False),    # 4 splits of 16 tiles: the warpgroup kernel, cluster merge
+    (8, 64, 32768, False),    # 16 splits of 32 tiles
+])
+def test_the_route_takes_int8_q_where_allowed_and_it_pays(batch, group, seq, routed):
+    for allow in (False, True):
+        with DecodePlan.create(group, 1, 128, max_batch=batch, max_seq_len=seq,
+                               key_transform="hadamard", allow_int8_q=allow) as plan:
+            plan.plan([seq] * batch)
             described = plan.describe()
-            assert described["backend"] == "multi"
-            assert described["multi"]["int8_q"] == allow
+            assert described.get("multi", {}).get("int8_q", False) == (allow and routed)

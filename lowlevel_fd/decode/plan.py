@@ -67,15 +67,24 @@ class DecodePlan(OnCache, CreatedFromOptions):
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Any, *, config: TileConfig | None = None,
-             append: bool = False, multi: bool | None = None) -> "DecodePlan":
+             append: bool = False, multi: bool | None = None,
+             int8_q: bool | None = None) -> "DecodePlan":
         """Choose splits and tiles for these host lengths ``[B]`` (the tokens in each cache),
         compile and load the kernels (once per process), size the workspace. With ``append``
         the fused-append kernel of ``append_and_run`` is loaded too, planned for the
         ``seq_lens[b] + 1`` tokens it attends. A captured graph stays valid for any device
         lengths up to the cache's capacity, but must be recaptured after re-planning.
         ``multi``: run ``run`` on the multi-token kernel (True) or the decode kernel (False);
-        None lets the planner choose (rule 8: groups of 16+ heads over a large KV, sm_90)."""
+        None lets the planner choose (rule 8: groups of 16+ heads over a large KV, sm_90; with
+        ``allow_int8_q``, also wherever the int8-q kernel pays). ``int8_q``: MultiPlan.plan's,
+        for the route (True implies ``multi``)."""
         check.flag("append", append)
+        if int8_q is not None:
+            check.flag("int8_q", int8_q)
+            if int8_q and multi is False:
+                raise ValueError("int8_q: the int8-q kernel runs on the multi-token route, got "
+                                 "int8_q=True with multi=False")
+            multi = True if int8_q else multi
         self._require_open()
         lengths = check.host_lengths("seq_lens", seq_lens, self.max_batch, self.max_seq_len)
         if append:
@@ -85,7 +94,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
             check_config(config)
         routed = wants_multi(multi, self.cache, self.group_size,
                              head_chunks(self.group_size)[1], lengths, self.device,
-                             config is not None)
+                             config is not None, self.allow_int8_q)
         batch, longest = int(lengths.size), int(lengths.max())
         hopper = self.device.compute_capability >= (9, 0)
         cta_heads, chunks, chunk_heads = head_chunks(self.group_size,
@@ -151,7 +160,7 @@ class DecodePlan(OnCache, CreatedFromOptions):
                 LaunchConfig((slots, batch), combine.threads, combine.shared_bytes), p)
         self._advance = load_kernels(LENGTHS, self.device)[0]
         self._hopper = hopper
-        self._route.planned(lengths if routed else None, append)
+        self._route.planned(lengths if routed else None, append, int8_q)
         self._binder.planned(batch, longest)
         self._generation += 1
         described = self._route.describe()

@@ -17,6 +17,7 @@ from ..core.spec import KVCacheSpec
 from ..driver import Device, DeviceArray
 from ..driver.stream import StreamLike
 from ..multi import MultiPlan, PreparedRun
+from ..multi.planner import INT8_Q_MAX_ROWS, INT8_Q_MIN_ROWS, int8_q_pays, int8_q_unable
 from .planner import routes_to_multi
 
 MAX_MULTI_BATCH = 65535  # MultiPlan's batch is its grid.z
@@ -35,9 +36,11 @@ def theta_table(spec: KVCacheSpec, positions: int) -> np.ndarray:
 
 
 def wants_multi(multi: bool | None, cache: KVCacheSpec, group_size: int, chunks: int,
-                lengths: np.ndarray, device: Device, configured: bool) -> bool:
+                lengths: np.ndarray, device: Device, configured: bool,
+                int8_q: bool = False) -> bool:
     """Whether a plan of these host ``lengths`` takes the route: ``multi`` True / False forces
-    it (True: not with a decode ``config``), None applies rule 8."""
+    it (True: not with a decode ``config``), None applies rule 8, and (``int8_q``: the plan
+    allows q in int8) takes it wherever the int8-q kernel would run and pay."""
     if multi is not None:
         check.flag("multi", multi)
         if multi and configured:
@@ -49,6 +52,11 @@ def wants_multi(multi: bool | None, cache: KVCacheSpec, group_size: int, chunks:
         return multi
     if configured or lengths.size > MAX_MULTI_BATCH:
         return False
+    if int8_q and (int8_q_unable(device.arch, cache, True, False, None, None, None) is None
+                   and INT8_Q_MIN_ROWS <= group_size <= INT8_Q_MAX_ROWS
+                   and int8_q_pays(np.ones(lengths.size, np.int64), lengths, group_size,
+                                   cache.num_kv_heads, device.sm_count)):
+        return True
     kv_bytes = int(lengths.sum()) * cache.num_kv_heads * 2 * cache.head_dim
     return routes_to_multi(group_size, cache.head_dim, chunks, kv_bytes,
                            int(lengths.size) * cache.num_kv_heads,
@@ -74,9 +82,11 @@ class MultiRoute:
         self.table: DeviceArray | None = None
         self.active = False
 
-    def planned(self, lengths: np.ndarray | None, append: bool) -> None:
+    def planned(self, lengths: np.ndarray | None, append: bool,
+                int8_q: bool | None = None) -> None:
         """Plan the route for these host lengths (``append``: the tokens ``append_and_run``
-        attends, and load the append kernel), or (None) leave it."""
+        attends, and load the append kernel; ``int8_q``: MultiPlan.plan's), or (None) leave
+        it."""
         self.active = lengths is not None
         if lengths is None:
             return
@@ -85,7 +95,7 @@ class MultiRoute:
                                   max_batch=min(self.max_batch, MAX_MULTI_BATCH),
                                   max_seq_len=self.max_seq_len, sm_scale=self._sm_scale,
                                   allow_int8_q=self._allow_int8_q, **self._options)
-        self.plan.plan(None, lengths, causal=False)
+        self.plan.plan(None, lengths, causal=False, int8_q=int8_q)
         if not append:
             return
         if self.append is None:

@@ -19,7 +19,8 @@ from .bind import MultiBinder, host_queries
 from .maps import Q8Maps
 from .params import MultiParams
 from .planner import (MAX_SPLITS, MultiWorkload, choose_cluster, choose_int8_q, choose_ksplit,
-                      choose_merge, choose_splits, choose_wg_rows, int8_q_unable)
+                      choose_merge, choose_splits, choose_wg_rows, int8_q_pays,
+                      int8_q_unable)
 from .prepared import PreparedRun
 from .variants import WG_ROWS, CombineVariant, MultiVariant, ksplits, wgmma_available
 
@@ -120,9 +121,12 @@ class MultiPlan(OnCache, CreatedFromOptions):
             raise ValueError(f"ksplit: expected one of {allowed} at head_dim {self.head_dim}"
                              f"{' with tree=True' if tree else ''}, got {ksplit!r}")
         rows = int(qo_lens.max()) * self.group_size
-        use_int8_q = choose_int8_q(int8_q, self.allow_int8_q,
-                                   int8_q_unable(self.device.arch, self.cache, decode_rows,
-                                                 tree, ksplit, wgmma, wg_rows), rows)
+        use_int8_q = choose_int8_q(
+            int8_q, self.allow_int8_q,
+            int8_q_unable(self.device.arch, self.cache, decode_rows, tree, ksplit, wgmma,
+                          wg_rows), rows,
+            lambda: num_splits is not None or int8_q_pays(
+                qo_lens, lengths, self.group_size, self.num_kv_heads, self.device.sm_count))
         use_wgmma, wg_rows = (False, 128) if use_int8_q else self._wgmma_choice(
             wgmma, wg_rows, ksplit, tree, rows, int(np.count_nonzero(qo_lens)) * self.num_kv_heads)
         if ksplit is None:

@@ -157,6 +157,16 @@ def choose_merge(combine: bool | None, clustered: bool, splits: int) -> str | No
 # 64 rows). Below, the split-warp mma.sync kernel's CTAs of 32 rows waste less.
 INT8_Q_MIN_ROWS = 16
 INT8_Q_MAX_ROWS = 64
+# Where the planner takes it unasked (H200, multi-query groups 32 and 64, PERF_NOTES v42): an
+# unsplit launch of at least INT8_Q_MIN_TILES tiles per CTA over nearly every SM (B=128,
+# S=1024: 18.9 us against the decode kernel's 24.4, 20.7 against the warpgroup kernel's 21.5;
+# B=64 on 132 SMs, S=1024: slower than the decode kernel's 12.6), or splits of at least
+# INT8_Q_MIN_SPLIT_TILES (B=32 S=16384, 4 splits of 64 tiles: 58.6 against 69.0; B=16 S=32768,
+# 57.7 against 68.4). Shorter splits pay their fixed chain and the merge kernel while the
+# warpgroup kernel merges in a cluster (B=32 S=4096, 4 x 16 tiles: 27.5 against 24.4; B=8
+# S=32768, 16 x 32: 39.4 against 39.4).
+INT8_Q_MIN_TILES = 16
+INT8_Q_MIN_SPLIT_TILES = 48
 
 
 def int8_q_unable(arch: str, spec: KVCacheSpec, decode_rows: bool, tree: bool,
@@ -175,11 +185,26 @@ def int8_q_unable(arch: str, spec: KVCacheSpec, decode_rows: bool, tree: bool,
     return None
 
 
-def choose_int8_q(int8_q: bool | None, allowed: bool, unable: str | None, rows: int) -> bool:
+def int8_q_pays(qo_lens: np.ndarray, kv_lens: np.ndarray, group_size: int,
+                num_kv_heads: int, sm_count: int) -> bool:
+    """Whether the int8-q kernel (one CTA per SM, 64-row tiles, 64-token KV tiles) is the
+    faster choice for this workload as it would be split (INT8_Q_MIN_TILES,
+    INT8_Q_MIN_SPLIT_TILES)."""
+    work = MultiWorkload(qo_lens, kv_lens, group_size, num_kv_heads, 64, INT8_Q_MAX_ROWS)
+    splits, _ = choose_splits(work, sm_count, 1)
+    tiles = -(-int(kv_lens.max()) // 64) if kv_lens.size else 0
+    if splits > 1:
+        return -(-tiles // splits) >= INT8_Q_MIN_SPLIT_TILES
+    ctas = int(work.tiles.sum()) * num_kv_heads
+    return tiles >= INT8_Q_MIN_TILES and 8 * ctas >= 7 * sm_count
+
+
+def choose_int8_q(int8_q: bool | None, allowed: bool, unable: str | None, rows: int,
+                  pays: Callable[[], bool] = lambda: True) -> bool:
     """Whether a plan runs the int8-q kernel: ``int8_q`` True requires it (ValueError where the
     plan does not allow q in int8 or ``unable`` says why the kernel cannot serve it), False
     forbids it, None takes it where allowed and able for ``rows`` query rows per sequence and
-    KV head in INT8_Q_MIN_ROWS .. INT8_Q_MAX_ROWS."""
+    KV head in INT8_Q_MIN_ROWS .. INT8_Q_MAX_ROWS, where it ``pays`` (int8_q_pays)."""
     if int8_q is False:
         return False
     if int8_q:
@@ -189,4 +214,5 @@ def choose_int8_q(int8_q: bool | None, allowed: bool, unable: str | None, rows: 
         if unable:
             raise ValueError(f"int8_q: the int8-q kernel {unable}")
         return True
-    return allowed and unable is None and INT8_Q_MIN_ROWS <= rows <= INT8_Q_MAX_ROWS
+    return (allowed and unable is None and INT8_Q_MIN_ROWS <= rows <= INT8_Q_MAX_ROWS
+            and pays())
