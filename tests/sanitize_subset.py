@@ -441,6 +441,32 @@ case("extend tree mask, KV splits, split warps",
      lambda rng, stream: tree.test_tree_masks_under_kv_splits_and_row_tiles(
          rng, stream, 128, 5))
 
+import test_multi_q8_gpu as q8  # noqa: E402
+
+
+
+def hopper() -> bool:
+    return Device(0).arch in q8.WG_ARCHS
+
+
+case("int8 q: decode rows group 17 fp16/fp32 scales bnsh, group 64 bf16/fp16 scales bsnh "
+     "(sm_90)",
+     lambda rng, stream: hopper() and (
+         q8.test_int8_q_decode_rows_match_the_oracle(rng, stream, 17, "float16", "float32",
+                                                     "bnsh"),
+         q8.test_int8_q_decode_rows_match_the_oracle(rng, stream, 64, "bfloat16", "float16",
+                                                     "bsnh")))
+case("int8 q: splits by the merge kernel and the last split, device guards, group 71 (sm_90)",
+     lambda rng, stream: hopper() and (
+         q8.test_int8_q_splits_merge(rng, stream, 3, None),
+         q8.test_int8_q_splits_merge(rng, stream, 3, False),
+         q8.test_int8_q_device_guards_clamp_and_flag(rng, stream),
+         q8.test_int8_q_forced_on_other_groups(rng, stream, 71)))
+case("int8 q: DecodePlan routed append_and_run gptj theta bf16, graph replay (sm_90)",
+     lambda rng, stream: hopper() and (
+         q8.test_int8_q_routed_append_and_run_matches_the_fused_oracle(
+             rng, stream, "gptj", False, "bfloat16"),
+         q8.test_int8_q_prepared_call_replays_in_a_graph_as_lengths_change(rng, stream)))
 
 # -- Hadamard keys (key_transform="hadamard": the writers and the q sides) --------------------
 import test_key_transform_gpu as hadamard_keys  # noqa: E402
