@@ -542,49 +542,6 @@ def test_heads_probe_kernel_compiles_for_sm_90_without_spills():
         assert resources.registers <= 128, variant  # 2 CTAs of 256 threads per SM
 
 
-# -- the int8 Q K^T multi-query probe kernel (tools/benchlib/mqa_int8.cu, PERF_NOTES v39, v40) ---
-def test_mqa_int8_probe_compiles_for_sm_90a_without_spills_and_fits_shared_memory():
-    from benchlib import mqa_int8
-    assert mqa_int8.ctypes.sizeof(mqa_int8.MqaParams) == 80
-    assert mqa_int8.MqaParams.score_scale_log2.offset == 64
-    assert mqa_int8.MqaMaps.v.offset == 128
-    for variant in (mqa_int8.MqaVariant(6, 3, 1), mqa_int8.MqaVariant(4, 4, 2),
-                    mqa_int8.MqaVariant(4, 4, 2, 0, 1), mqa_int8.MqaVariant(4, 8, 2, 0, 1)):
-        program = variant.compile("sm_90")  # NVRTC only: wgmma needs sm_90a, chosen for it
-        assert program.arch == "sm_90a"
-        (resources,) = program.resources.values()
-        assert resources.spill_store_bytes == resources.spill_load_bytes == 0, variant
-        assert resources.stack_bytes == 0, variant
-        assert variant.shared_bytes + resources.shared_bytes <= 227 * 1024, variant
-    with pytest.raises(ValueError, match="Hopper"):
-        mqa_int8.MqaVariant().compile("sm_80")
-
-
-def test_mqa_int8_probe_rejects_a_ring_that_deadlocks():
-    from benchlib import mqa_int8
-    with pytest.raises(ValueError, match="2 copies per team"):
-        mqa_int8.MqaVariant(2, 2, 2)  # a team would wait for the copy it holds
-    with pytest.raises(ValueError, match="1 or 2 teams"):
-        mqa_int8.MqaVariant(4, 8, 3)
-    with pytest.raises(ValueError, match="softmax 0 or 1"):
-        mqa_int8.MqaVariant(4, 4, 2, 0, 2)
-
-
-def test_mqa_int8_oracle_rounds_q_per_row_to_127_steps():
-    from benchlib.mqa_int8 import quantize_rows
-    rng = np.random.default_rng(3)
-    q = rng.standard_normal((2, 5, 128)).astype(np.float16)
-    q[1, 2] = 0  # a zero row stays zero
-    out = quantize_rows(q)
-    top = np.abs(q.astype(np.float32)).max(axis=-1, keepdims=True)
-    step = np.where(top > 0, top / 127, 1)
-    assert np.all(np.abs(out - q) <= 0.5 * step * (1 + 1e-6))
-    steps = out / step
-    assert np.allclose(steps, np.rint(steps), atol=1e-3)  # whole steps
-    assert np.allclose(np.abs(steps).max(axis=-1)[top[..., 0] > 0], 127, atol=1e-3)
-    assert np.all(out[1, 2] == 0)
-
-
 def test_the_split_sweep_times_both_merges_up_to_the_cluster_cap_and_no_short_splits():
     few = sweep_splits.candidates([1, 2, 8, 16, 32], 4096, few_pairs=True)
     assert few == [(1, False), (2, True), (2, False), (8, True), (8, False), (16, False),
