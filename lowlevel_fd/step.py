@@ -99,7 +99,8 @@ class DecodeStep:
     for the lengths) or two (AppendPlan then DecodePlan). ``plan`` does the host work,
     ``capture`` returns a Graph that replays the whole step, ``eager`` issues the same
     launches without one, ``bind`` returns them to be issued one layer at a time (a model's
-    own work in between)."""
+    own work in between). ``allow_int8_q``: DecodePlan's (q in int8 where it pays, Hadamard
+    keys only)."""
 
     def __init__(self, cache: KVCacheSpec, num_layers: int, num_q_heads: int, *,
                  max_batch: int, max_seq_len: int, dtype: str = "float16",
