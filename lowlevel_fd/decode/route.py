@@ -16,8 +16,7 @@ from ..core import validate as check
 from ..core.spec import KVCacheSpec
 from ..driver import Device, DeviceArray
 from ..driver.stream import StreamLike
-from ..multi import MultiPlan, PreparedRun
-from ..multi.planner import INT8_Q_MAX_ROWS, INT8_Q_MIN_ROWS, int8_q_pays, int8_q_unable
+from ..multi import MultiPlan, PreparedRun, int8_q_decode_pays
 from .planner import routes_to_multi
 
 MAX_MULTI_BATCH = 65535  # MultiPlan's batch is its grid.z
@@ -52,10 +51,8 @@ def wants_multi(multi: bool | None, cache: KVCacheSpec, group_size: int, chunks:
         return multi
     if configured or lengths.size > MAX_MULTI_BATCH:
         return False
-    if int8_q and (int8_q_unable(device.arch, cache, True, False, None, None, None) is None
-                   and INT8_Q_MIN_ROWS <= group_size <= INT8_Q_MAX_ROWS
-                   and int8_q_pays(np.ones(lengths.size, np.int64), lengths, group_size,
-                                   cache.num_kv_heads, device.sm_count)):
+    if int8_q and int8_q_decode_pays(cache, group_size, lengths, device.arch,
+                                     device.sm_count):
         return True
     kv_bytes = int(lengths.sum()) * cache.num_kv_heads * 2 * cache.head_dim
     return routes_to_multi(group_size, cache.head_dim, chunks, kv_bytes,

@@ -199,6 +199,16 @@ def int8_q_pays(qo_lens: np.ndarray, kv_lens: np.ndarray, group_size: int,
     return tiles >= INT8_Q_MIN_TILES and 8 * ctas >= 7 * sm_count
 
 
+def int8_q_decode_pays(spec: KVCacheSpec, group_size: int, lengths: np.ndarray, arch: str,
+                       sm_count: int) -> bool:
+    """Whether decode rows of these host ``lengths`` would run the int8-q kernel unasked in a
+    plan that allows it (DecodePlan's route takes it where rule 8 would not)."""
+    return (int8_q_unable(arch, spec, True, False, None, None, None) is None
+            and INT8_Q_MIN_ROWS <= group_size <= INT8_Q_MAX_ROWS
+            and int8_q_pays(np.ones(lengths.size, np.int64), lengths, group_size,
+                            spec.num_kv_heads, sm_count))
+
+
 def choose_int8_q(int8_q: bool | None, allowed: bool, unable: str | None, rows: int,
                   pays: Callable[[], bool] = lambda: True) -> bool:
     """Whether a plan runs the int8-q kernel: ``int8_q`` True requires it (ValueError where the
