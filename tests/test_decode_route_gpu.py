@@ -261,6 +261,15 @@ def test_decode_step_on_a_routed_plan_replays_bitwise_what_it_issues_eagerly(rng
                              DeviceArray.empty((batch, hq, dim), qt))
                 for i in range(layers)]
 
+    eager, graphed = step_eager_and_graphed(step, buffers, lengths, stream)
+    assert eager == graphed
+    assert eager[-1] == (lengths + 1).tolist()
+    step.close()
+
+
+def step_eager_and_graphed(step, buffers, lengths, stream) -> list[list]:
+    """The step issued eagerly, then captured and replayed, each over fresh ``buffers()`` and
+    ``lengths``: per way, every layer's (out, k_cache) bytes, then the lengths after."""
     results = []
     for graphed in (False, True):
         layer_buffers, lens = buffers(), DeviceArray.from_numpy(lengths)
@@ -273,9 +282,7 @@ def test_decode_step_on_a_routed_plan_replays_bitwise_what_it_issues_eagerly(rng
         stream.synchronize()
         results.append([(b.out.numpy().tobytes(), b.k_cache.numpy().tobytes())
                         for b in layer_buffers] + [lens.numpy().tolist()])
-    assert results[0] == results[1]
-    assert results[0][-1] == (lengths + 1).tolist()
-    step.close()
+    return results
 
 
 def test_routed_append_rotates_q_from_theta_where_its_table_misses_cache_positions(rng, stream):

@@ -92,9 +92,10 @@ class Fused:
         valid one: S_max - 1 (planned to attend the S_max tokens the kernel clamps to) or 0."""
         return np.clip(self.positions, 0, self.case.capacity - 1)
 
-    def run(self, stream, config: TileConfig | None = None, multi: bool | None = None):
+    def run(self, stream, config: TileConfig | None = None, multi: bool | None = None,
+            int8_q: bool | None = None):
         d = self.device
-        self.plan.plan(self.planned(), config=config, append=True, multi=multi)
+        self.plan.plan(self.planned(), config=config, append=True, multi=multi, int8_q=int8_q)
         d["out"].fill(float("nan"))
         d["lse"].fill(float("nan"))
         self.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from decode_case import TOLERANCE, Case
+from test_decode_route_gpu import step_eager_and_graphed
 from test_fused_append_gpu import THETA, Fused
 
 from lowlevel_fd import ERROR_OUTSIDE_CACHE, DecodePlan, DecodeStep, LayerBuffers, MultiPlan
@@ -173,15 +174,7 @@ def test_int8_q_routed_append_and_run_matches_the_fused_oracle(rng, stream, rope
                                    dtype=dtype, rope=rope, rope_theta=THETA,
                                    key_transform="hadamard", allow_int8_q=True)
     fused.round_query = False
-    d = fused.device
-    fused.plan.plan(fused.planned(), append=True, int8_q=True)
-    d["out"].fill(float("nan"))
-    d["lse"].fill(float("nan"))
-    fused.plan.append_and_run(d["q"], d["k_new"], d["v_new"], d["k"], d["v"], d["k_scale"],
-                              d["v_scale"], d["seq_lens"], d["out"], cos_sin=d["cos_sin"],
-                              lse=d["lse"], stream=stream)
-    stream.synchronize()
-    fused.check(d["out"].numpy().astype(np.float64), d["lse"].numpy().astype(np.float64))
+    fused.check(*fused.run(stream, int8_q=True))
     assert fused.plan.describe()["multi"]["int8_q"]
     assert fused.plan.error_flags(stream=stream) == ERROR_OUTSIDE_CACHE
     fused.plan.close()
@@ -203,23 +196,12 @@ def test_int8_q_decode_step_replays_bitwise_what_it_issues_eagerly(rng, stream):
              rng.uniform(0.004, 0.012, (batch, 1, capacity)).astype(np.float32),
              rng.uniform(0.004, 0.012, (batch, 1, capacity)).astype(np.float32))
             for _ in range(layers)]
-    results = []
-    for graphed in (False, True):
-        buffers = [LayerBuffers(*map(DeviceArray.from_numpy, arrays),
-                                DeviceArray.empty((batch, hq, dim), np.float16))
-                   for arrays in host]
-        lens = DeviceArray.from_numpy(lengths)
-        if graphed:
-            graph = step.capture(buffers, lens, stream=stream)
-            graph.launch(stream)
-            graph.close()
-        else:
-            step.eager(buffers, lens, stream=stream)
-        stream.synchronize()
-        outs = [b.out.numpy() for b in buffers]
-        assert all(np.isfinite(out).all() for out in outs)
-        results.append([out.tobytes() for out in outs] + [lens.numpy().tolist()])
-    assert results[0] == results[1]
+    eager, graphed = step_eager_and_graphed(
+        step, lambda: [LayerBuffers(*map(DeviceArray.from_numpy, arrays),
+                                    DeviceArray.empty((batch, hq, dim), np.float16))
+                       for arrays in host], lengths, stream)
+    assert eager == graphed
+    assert all(np.isfinite(np.frombuffer(out, np.float16)).all() for out, _ in eager[:-1])
     step.close()
 
 
