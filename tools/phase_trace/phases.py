@@ -7,6 +7,11 @@ lowlevel_fd/cu/, `git apply tools/phase_trace/multi_wg_marks.patch`, run on the 
 
     PYTHONPATH=.:tools python3 tools/phase_trace/phases.py --batch 32 --heads 64,1
 
+The int8-q kernel (multi_q8.cu) the same way with multi_q8_marks.patch and ``--int8-q``
+(decode rows over Hadamard keys; ``--splits`` / ``--combine`` force its plan): its kind-2
+record is the second team's (the one that stores the rows), and word 7 is when the two teams'
+states are merged.
+
 Times one L2-honest graph of L layers (distinct caches, L x KV bytes >= 200 MiB) by CUDA
 events, then zeroes the trace counters, replays once and prints, per layer, microseconds
 from the layer's first attention CTA entry (medians over CTAs for per-CTA spans). Record kinds
@@ -91,6 +96,8 @@ def layer_rows(stamps_by_kind: dict[int, np.ndarray], layers: int) -> list[dict[
                "ld_wait": us(np.median(ld[:, 1] - ld[:, 0])),
                "ld_prime": us(np.median(ld[:, 2] - ld[:, 1])),
                "ld_tile0": us(np.median(ld[:, 3] - ld[:, 2]))}
+        if (c[:, 6] > 0).all():  # the int8-q kernel's teams merged
+            row["teams"] = us(np.median(c[:, 6] - c[:, 4]))
         if per.get(3):
             m = sorted_[3][i * per[3]:(i + 1) * per[3]]
             row.update(cb_entry=us(m[:, 0].min() - a0), cb_wait=us(m[:, 1].min() - a0),
@@ -105,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="64,1", help="query,kv heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--same-cache", action="store_true",
+                        help="every layer over the first layer's cache (L2-warm: a control)")
+    parser.add_argument("--int8-q", action="store_true",
+                        help="decode rows on the int8-q kernel (multi_q8_marks.patch)")
+    parser.add_argument("--splits", type=int, help="num_splits for --int8-q (planned if unset)")
+    parser.add_argument("--combine", type=int, choices=(0, 1),
+                        help="--int8-q: 1 the merge kernel, 0 the last split (planned if unset)")
     args = parser.parse_args(argv)
     import torch
     from benchlib.multi import layer_count
@@ -116,12 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     layers = layer_count(batch * hkv * seq * (2 * d + 8))  # int8 K and V, fp32 scales
     caches = [Cache(batch, seq, seed=i, num_kv_heads=hkv, head_dim=d) for i in range(layers)]
     caches = [(c.k, c.v, c.ks, c.vs) for c in caches]
+    if args.same_cache:
+        caches = [caches[0]] * layers
     lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
     q = torch.randn((batch, hq, d), dtype=torch.float16, device="cuda")
     out = torch.empty_like(q)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    plan = MultiPlan.create(hq, hkv, d, max_batch=batch, max_seq_len=seq).plan(
-        list(range(batch + 1)), [seq] * batch, causal=False)
+    if args.int8_q:
+        combine = None if args.combine is None else bool(args.combine)
+        plan = MultiPlan.create(hq, hkv, d, max_batch=batch, max_seq_len=seq,
+                                key_transform="hadamard", allow_int8_q=True).plan(
+            None, [seq] * batch, causal=False, num_splits=args.splits, combine=combine,
+            int8_q=True)
+        indptr = None
+    else:
+        plan = MultiPlan.create(hq, hkv, d, max_batch=batch, max_seq_len=seq).plan(
+            list(range(batch + 1)), [seq] * batch, causal=False)
     print(plan.describe()["kernel"], plan.describe()["merge"], plan.describe()["grid"],
           f"L={layers}")
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -152,12 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     graph.replay()
     torch.cuda.synchronize()
-    rows = layer_rows(read_records(buffers), layers)
+    records = read_records(buffers)
+    rows = layer_rows(records, layers)
     keys = list(rows[0])
     print("layer " + " ".join(f"{k:>12}" for k in keys))
     for i, row in enumerate(rows):
         print(f"{i:>5} " + " ".join(f"{row[k]:>12.2f}" for k in keys))
     print("mean(1..) " + " ".join(f"{np.mean([r[k] for r in rows[1:]]):>12.2f}" for k in keys))
+    for kind, t in sorted(records.items()):  # a scratch patch's finer marks: kinds 4 and up
+        if kind < 4:
+            continue
+        steps = [np.median(t[:, i + 1] - t[:, i]) / 1e3 for i in range(6) if (t[:, i + 1] > 0).all()]
+        print(f"kind {kind}: median us between its marks (all layers): "
+              + " ".join(f"{x:.2f}" for x in steps))
     plan.close()
     return 0
 
