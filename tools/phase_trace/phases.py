@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="64,1", help="query,kv heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--early-reads", action="store_true",
+                        help="run(early_reads=True): each layer's first tiles stream during the "
+                             "previous layer's tail")
     parser.add_argument("--same-cache", action="store_true",
                         help="every layer over the first layer's cache (L2-warm: a control)")
     parser.add_argument("--int8-q", action="store_true",
@@ -152,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for c in caches:  # load and warm outside the capture
-            plan.run(q, *c, lens, indptr, out, stream=stream)
+            plan.run(q, *c, lens, indptr, out, early_reads=args.early_reads, stream=stream)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
             for c in caches:
-                plan.run(q, *c, lens, indptr, out, stream=stream)
+                plan.run(q, *c, lens, indptr, out, early_reads=args.early_reads, stream=stream)
     for _ in range(20):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
